@@ -1,0 +1,47 @@
+# One-command set-up and tests on a machine with no GPU (see README.md).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+# CPU dependency set: torch's CPU build, fbgemm's CPU build, and torchrec
+# without its pin on the CUDA fbgemm-gpu (installed with --no-deps, then its needs).
+TORCH := torch==2.13.0
+FBGEMM := fbgemm-gpu-cpu==1.8.0
+TORCHREC := torchrec==1.9.2
+TORCHREC_NEEDS := tensordict torchmetrics==1.0.3 tqdm pyre-extensions iopath
+TOOLS := triton==3.9.0 numpy pytest ruff matplotlib
+
+.PHONY: install test lint format demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q $(FBGEMM)
+	$(BIN)/python -m pip install -q --no-deps $(TORCHREC)
+	$(BIN)/python -m pip install -q $(TORCHREC_NEEDS) $(TOOLS)
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+demo: install
+	@echo "make demo: the torchrun DLRM job arrives with the examples; run 'make test' meanwhile." && exit 1
+
+bench: install
+	OMP_NUM_THREADS=2 $(BIN)/python -m benchmarks.ebc_train
+
+clean:
+	rm -rf $(VENV) build *.egg-info

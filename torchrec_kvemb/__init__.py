@@ -1,0 +1,23 @@
+"""Key-value, zero-collision embedding tables for TorchRec."""
+
+from torchrec_kvemb.ebc import KVEmbeddingBagCollection
+from torchrec_kvemb.optimizer import FusedOptimConfig
+from torchrec_kvemb.options import (
+    EvictionPolicy,
+    Initializer,
+    KVTableOptions,
+    SSDOptions,
+)
+from torchrec_kvemb.table import KVTable
+from torchrec_kvemb.validation import KVInputError
+
+__all__ = [
+    "EvictionPolicy",
+    "FusedOptimConfig",
+    "Initializer",
+    "KVEmbeddingBagCollection",
+    "KVInputError",
+    "KVTable",
+    "KVTableOptions",
+    "SSDOptions",
+]

@@ -1,0 +1,93 @@
+"""Integer hashing and initial row values, torch path.
+
+Every function here has a Triton twin in ``kernels/hashing.py`` that gives the
+same bits: 64-bit arithmetic wraps modulo 2**64 and right shifts are logical.
+torch has no uint64 arithmetic, so the torch path works on int64 and masks
+after each arithmetic shift.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_M1 = 0xFF51AFD7ED558CCD
+_M2 = 0xC4CEB9FE1A85EC53
+#: The 64-bit golden ratio: column stride of the initial-value streams.
+GOLDEN = 0x9E3779B97F4A7C15
+#: Salts that make the index hash, the routing hash and the seed mix differ.
+INDEX_SALT = 0x1B873593A5A5A5A5
+ROUTE_SALT = 0x2545F4914F6CDD1D
+SEED_SALT = 0x5851F42D4C957F2D
+INT64_MAX = (1 << 63) - 1
+
+
+def to_signed(value: int) -> int:
+    """The int64 with the same 64 bits as the unsigned ``value``."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_M1_S = to_signed(_M1)
+_M2_S = to_signed(_M2)
+_GOLDEN_S = to_signed(GOLDEN)
+_MASK31 = (1 << 31) - 1
+
+
+def _lsr33(x: torch.Tensor) -> torch.Tensor:
+    return (x >> 33) & _MASK31
+
+
+def fmix64(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 64-bit finalizer on int64 bits (wrapping arithmetic)."""
+    x = x ^ _lsr33(x)
+    x = x * _M1_S
+    x = x ^ _lsr33(x)
+    x = x * _M2_S
+    return x ^ _lsr33(x)
+
+
+def fmix64_int(value: int) -> int:
+    """``fmix64`` of one Python int, as an int64."""
+    x = value & ((1 << 64) - 1)
+    x ^= x >> 33
+    x = (x * _M1) & ((1 << 64) - 1)
+    x ^= x >> 33
+    x = (x * _M2) & ((1 << 64) - 1)
+    x ^= x >> 33
+    return to_signed(x)
+
+
+def index_bucket(ids: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """The index bucket of each id in a table of ``num_buckets`` buckets."""
+    return (fmix64(ids ^ to_signed(INDEX_SALT)) & INT64_MAX) % num_buckets
+
+
+def seed_mix(seed: int) -> int:
+    """The per-table constant that the seed contributes to every initial value."""
+    return fmix64_int(seed ^ SEED_SALT)
+
+
+def init_rows(
+    ids: torch.Tensor,
+    dim: int,
+    seed: int,
+    normal: bool,
+    a: float,
+    b: float,
+) -> torch.Tensor:
+    """Initial rows ``[len(ids), dim]`` float32, a pure function of (id, seed, column).
+
+    ``normal=False``: uniform on [a, b). ``normal=True``: normal with mean ``a`` and
+    standard deviation ``b`` (Box-Muller on two 24-bit uniforms of one hash).
+    """
+    base = fmix64(ids.to(torch.int64) ^ seed_mix(seed))
+    cols = torch.arange(1, dim + 1, dtype=torch.int64, device=ids.device) * _GOLDEN_S
+    bits = fmix64(base.unsqueeze(1) + cols.unsqueeze(0))
+    u1 = ((bits >> 40) & 0xFFFFFF).to(torch.float32) * (1.0 / (1 << 24))
+    if not normal:
+        return a + (b - a) * u1
+    u2 = ((bits >> 16) & 0xFFFFFF).to(torch.float32) * (1.0 / (1 << 24))
+    radius = torch.sqrt(-2.0 * torch.log(1.0 - u1))
+    return a + b * radius * torch.cos((2.0 * math.pi) * u2)

@@ -1,0 +1,151 @@
+"""Find-or-insert with eviction over a bucketed index (torch path + dispatch).
+
+Batch semantics (the Triton kernel in ``kernels/insert.py`` gives the same bits):
+
+1. Each id (the batch holds unique ids) is probed in its bucket. A hit updates
+   its score: ``score += value`` when ``accumulate`` (LFU counts), else
+   ``score = value`` (LRU steps, custom scores).
+2. Per bucket, the stored entries (scores already updated) and the bucket's
+   new ids compete for the bucket's ``WAYS`` ways. Candidates are ranked by
+   score (higher first), then stored before new, then id (smaller first);
+   the first ``WAYS`` stay. With ``keep_existing`` stored entries rank above
+   every new id (no eviction: new ids only take empty ways).
+3. Stored entries that lose are evicted. Winning new ids take the freed and
+   empty ways, in ascending way order, in rank order.
+
+The outcome depends only on the index and the batch (not on thread timing).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from torchrec_kvemb.backend import use_triton
+from torchrec_kvemb.ops.hashing import INT64_MAX, index_bucket
+
+
+class InsertResult(NamedTuple):
+    """What a find-or-insert did, per input id and per evicted entry."""
+
+    slots: torch.Tensor  # [n] int64, -1 where the id holds no row after the call
+    hit: torch.Tensor  # [n] bool, the id was stored before the call
+    inserted: torch.Tensor  # [n] bool, the id got a new row in this call
+    evicted_ids: torch.Tensor  # [e] int64
+    evicted_slots: torch.Tensor  # [e] int64, now reused by inserted ids
+
+
+def _stable_argsort(values: torch.Tensor, descending: bool = False) -> torch.Tensor:
+    return torch.sort(values, stable=True, descending=descending).indices
+
+
+def insert_torch(
+    keys: torch.Tensor,
+    scores: torch.Tensor,
+    ids: torch.Tensor,
+    values: torch.Tensor,
+    accumulate: bool,
+    keep_existing: bool,
+) -> InsertResult:
+    """Find-or-insert unique ``ids`` with per-id score ``values``; updates in place."""
+    num_buckets, ways = keys.shape
+    device = ids.device
+    flat_keys = keys.view(-1)
+    flat_scores = scores.view(-1)
+    buckets = index_bucket(ids, num_buckets)
+    match = keys.index_select(0, buckets) == ids.unsqueeze(1)
+    hit = match.any(dim=1)
+    slots = torch.where(hit, buckets * ways + match.to(torch.uint8).argmax(dim=1), -1)
+
+    hit_slots = slots[hit]
+    if accumulate:
+        flat_scores.index_add_(0, hit_slots, values[hit])
+    else:
+        flat_scores.index_copy_(0, hit_slots, values[hit])
+
+    miss = ~hit
+    empty = torch.empty(0, dtype=torch.int64, device=device)
+    if not bool(miss.any()):
+        return InsertResult(slots, hit, torch.zeros_like(hit), empty, empty)
+
+    miss_src = miss.nonzero().squeeze(1)
+    touched, touched_pos = torch.unique(buckets[miss_src], return_inverse=True)
+    t = touched.numel()
+    stored_keys = keys.index_select(0, touched)
+    stored_scores = scores.index_select(0, touched)
+    occupied = stored_keys >= 0
+    stored_pos = torch.arange(t, device=device).unsqueeze(1).expand(t, ways)[occupied]
+    stored_slot = (touched.unsqueeze(1) * ways + torch.arange(ways, device=device))[occupied]
+    stored_score = stored_scores[occupied]
+    if keep_existing:
+        stored_score = torch.full_like(stored_score, INT64_MAX)
+    n_stored = stored_pos.numel()
+
+    cand_pos = torch.cat([stored_pos, touched_pos])
+    cand_score = torch.cat([stored_score, values[miss_src]])
+    cand_new = torch.cat(
+        [torch.zeros(n_stored, dtype=torch.uint8, device=device),
+         torch.ones(miss_src.numel(), dtype=torch.uint8, device=device)]
+    )
+    cand_id = torch.cat([stored_keys[occupied], ids[miss_src]])
+    # Lexicographic order (bucket, -score, new, id) by stable sorts, last key first.
+    order = _stable_argsort(cand_id)
+    order = order[_stable_argsort(cand_new[order])]
+    order = order[_stable_argsort(cand_score[order], descending=True)]
+    order = order[_stable_argsort(cand_pos[order])]
+
+    sorted_pos = cand_pos[order]
+    counts = torch.bincount(sorted_pos, minlength=t)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(sorted_pos.numel(), device=device) - starts[sorted_pos]
+    kept = rank < ways
+    is_new = cand_new[order].bool()
+
+    lost_stored = order[~kept & ~is_new]
+    evicted_ids = cand_id[lost_stored]
+    evicted_slots = stored_slot[lost_stored]
+    won_new = order[kept & is_new]
+    won_pos = cand_pos[won_new]
+
+    free = ~occupied
+    if evicted_slots.numel():
+        evict_row = torch.searchsorted(touched, evicted_slots // ways)
+        free[evict_row, evicted_slots % ways] = True
+    free_rank = torch.cumsum(free.to(torch.int64), dim=1) - 1
+    wanted = torch.bincount(won_pos, minlength=t)
+    take = free & (free_rank < wanted.unsqueeze(1))
+    take_row, take_way = take.nonzero(as_tuple=True)
+    new_slots = touched[take_row] * ways + take_way
+
+    # A hit that lost its way to a new id holds no row any more.
+    slots[torch.isin(slots, evicted_slots)] = -1
+    new_src = miss_src[won_new - n_stored]
+    flat_keys.index_copy_(0, new_slots, ids[new_src])
+    flat_scores.index_copy_(0, new_slots, values[new_src])
+    slots[new_src] = new_slots
+    inserted = torch.zeros_like(hit)
+    inserted[new_src] = True
+    return InsertResult(slots, hit, inserted, evicted_ids, evicted_slots)
+
+
+def insert(
+    keys: torch.Tensor,
+    scores: torch.Tensor,
+    ids: torch.Tensor,
+    values: torch.Tensor,
+    accumulate: bool,
+    keep_existing: bool,
+) -> InsertResult:
+    """Find-or-insert unique ``ids``. Triton on CUDA, torch otherwise."""
+    if use_triton(ids.device):
+        from torchrec_kvemb.kernels.insert import insert_triton
+
+        return insert_triton(keys, scores, ids, values, accumulate, keep_existing)
+    return insert_torch(keys, scores, ids, values, accumulate, keep_existing)
+
+
+def remove(keys: torch.Tensor, scores: torch.Tensor, slots: torch.Tensor) -> None:
+    """Empty the given slots (ids leave the index)."""
+    keys.view(-1).index_fill_(0, slots, -1)
+    scores.view(-1).index_fill_(0, slots, 0)

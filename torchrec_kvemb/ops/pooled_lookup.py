@@ -1,0 +1,91 @@
+"""Pooled lookup by slot: forward and per-row gradient reduction (torch path).
+
+Inputs describe one table's bags: ``slots [n]`` (-1 for ids without a row,
+which pool their initial value and get no gradient), ``ids [n]``, ``offsets
+[B + 1]``, optional per-sample weights ``[n]`` and ``mean`` pooling (divide by
+the bag's length, empty bags give zeros). The Triton twins are in
+``kernels/pooled_lookup.py``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from torchrec_kvemb.ops.hashing import init_rows
+
+
+class InitSpec(NamedTuple):
+    """How a table makes a row for an id that has none (see ``ops.hashing.init_rows``)."""
+
+    seed: int
+    normal: bool
+    a: float
+    b: float
+
+
+def bag_scale(
+    offsets: torch.Tensor, per_sample_weights: torch.Tensor | None, mean: bool, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-id bag index ``[n]`` and multiplier ``[n]`` (sample weight, / length if mean)."""
+    lengths = offsets[1:] - offsets[:-1]
+    bags = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)
+    scale = (
+        per_sample_weights.to(torch.float32)
+        if per_sample_weights is not None
+        else torch.ones(n, dtype=torch.float32, device=offsets.device)
+    )
+    if mean:
+        scale = scale / lengths.clamp(min=1).to(torch.float32)[bags]
+    return bags, scale
+
+
+def pooled_forward_torch(
+    weights: torch.Tensor,
+    slots: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    mean: bool,
+    init: InitSpec,
+) -> torch.Tensor:
+    """Pooled rows ``[B, dim]``: sum (or mean) over each bag of row * sample weight."""
+    n = slots.numel()
+    bags, scale = bag_scale(offsets, per_sample_weights, mean, n)
+    stored = slots >= 0
+    # why embedding_bag: it pools straight from the table by index (fbgemm's
+    # kernel on CPU) instead of materializing n gathered rows.
+    out = F.embedding_bag(
+        slots.clamp(min=0),
+        weights,
+        offsets[:-1],
+        mode="sum",
+        per_sample_weights=scale * stored,
+        include_last_offset=False,
+    )
+    if out.shape[0] != offsets.numel() - 1:  # embedding_bag drops nothing, but be exact
+        out = out[: offsets.numel() - 1]
+    missing = (~stored).nonzero().squeeze(1)
+    if missing.numel():
+        rows = init_rows(ids[missing], weights.shape[1], init.seed, init.normal, init.a, init.b)
+        out.index_add_(0, bags[missing], rows * scale[missing].unsqueeze(1))
+    return out
+
+
+def pooled_backward_torch(
+    grad_out: torch.Tensor,
+    slots: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    mean: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradient per stored row: ``(unique slots [u] ascending, grads [u, dim])``."""
+    bags, scale = bag_scale(offsets, per_sample_weights, mean, slots.numel())
+    stored = slots >= 0
+    uniq, inverse = torch.unique(slots[stored], return_inverse=True)
+    contrib = grad_out.index_select(0, bags[stored]) * scale[stored].unsqueeze(1)
+    grads = torch.zeros(uniq.numel(), grad_out.shape[1], dtype=grad_out.dtype, device=grad_out.device)
+    grads.index_add_(0, inverse, contrib)
+    return uniq, grads

@@ -1,0 +1,134 @@
+"""Fused optimizer configuration, read from TorchRec's ``fused_params``.
+
+The optimizer runs inside backward: a table's rows are updated in place and
+no ``.grad`` is ever materialized for them. Its state lives beside each row,
+``state_dim`` floats per slot:
+
+* SGD (``EmbOptimType.EXACT_SGD`` / ``SGD``): no state.
+* ``EXACT_ROWWISE_ADAGRAD`` (or ``ROWWISE_ADAGRAD``): one float, the running
+  sum of the row's mean squared gradient.
+* ``ADAM``: ``2 * dim`` floats, first and second moments.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+from typing import Any
+
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+
+class OptimKind(enum.Enum):
+    SGD = "sgd"
+    ROWWISE_ADAGRAD = "rowwise_adagrad"
+    ADAM = "adam"
+
+
+class WeightDecay(enum.IntEnum):
+    """How ``weight_decay`` applies (values follow fbgemm's WeightDecayMode)."""
+
+    NONE = 0
+    L2 = 1  # gradient += weight_decay * weight, before the optimizer
+    DECOUPLE = 2  # weight -= learning_rate * weight_decay * weight, after it
+
+
+_KINDS = {
+    EmbOptimType.SGD: OptimKind.SGD,
+    EmbOptimType.EXACT_SGD: OptimKind.SGD,
+    EmbOptimType.EXACT_ROWWISE_ADAGRAD: OptimKind.ROWWISE_ADAGRAD,
+    EmbOptimType.ROWWISE_ADAGRAD: OptimKind.ROWWISE_ADAGRAD,
+    EmbOptimType.ADAM: OptimKind.ADAM,
+}
+
+_KNOWN_KEYS = {
+    "optimizer",
+    "learning_rate",
+    "eps",
+    "beta1",
+    "beta2",
+    "weight_decay",
+    "weight_decay_mode",
+    "gradient_clipping",
+    "max_gradient",
+}
+# Keys TorchRec sharders pass around that do not change the update.
+_IGNORED_KEYS = {
+    "output_dtype",
+    "cache_load_factor",
+    "cache_precision",
+    "stochastic_rounding",
+    "prefetch_pipeline",
+}
+
+
+@dataclass(frozen=True)
+class FusedOptimConfig:
+    """A fused optimizer's kind and hyper-parameters.
+
+    Example::
+
+        FusedOptimConfig.from_fused_params(
+            {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05}
+        )
+    """
+
+    kind: OptimKind = OptimKind.ROWWISE_ADAGRAD
+    learning_rate: float = 0.01
+    eps: float = 1e-8
+    beta1: float = 0.9
+    beta2: float = 0.999
+    weight_decay: float = 0.0
+    weight_decay_mode: WeightDecay = WeightDecay.L2
+    gradient_clipping: bool = False
+    max_gradient: float = 1.0
+
+    @classmethod
+    def from_fused_params(cls, fused_params: dict[str, Any] | None) -> FusedOptimConfig:
+        """Read TorchRec's ``fused_params`` conventions; unknown keys are an error."""
+        params = dict(fused_params or {})
+        unknown = set(params) - _KNOWN_KEYS - _IGNORED_KEYS
+        if unknown:
+            raise ValueError(f"fused_params: unsupported keys {sorted(unknown)}")
+        kind = cls.kind
+        if "optimizer" in params:
+            opt = params["optimizer"]
+            if isinstance(opt, str):
+                opt = EmbOptimType(opt) if opt in EmbOptimType._value2member_map_ else opt
+            if opt not in _KINDS:
+                supported = ", ".join(o.name for o in _KINDS)
+                raise ValueError(f"fused_params: optimizer {opt!r} is not supported ({supported})")
+            kind = _KINDS[opt]
+        mode = params.get("weight_decay_mode", WeightDecay.L2)
+        mode = WeightDecay(int(getattr(mode, "value", mode)))
+        config = cls(
+            kind=kind,
+            learning_rate=float(params.get("learning_rate", cls.learning_rate)),
+            eps=float(params.get("eps", cls.eps)),
+            beta1=float(params.get("beta1", cls.beta1)),
+            beta2=float(params.get("beta2", cls.beta2)),
+            weight_decay=float(params.get("weight_decay", 0.0)),
+            weight_decay_mode=mode,
+            gradient_clipping=bool(params.get("gradient_clipping", False)),
+            max_gradient=float(params.get("max_gradient", cls.max_gradient)),
+        )
+        if config.learning_rate < 0 or config.eps < 0:
+            raise ValueError("fused_params: learning_rate and eps must be >= 0")
+        return config
+
+    def with_learning_rate(self, learning_rate: float) -> FusedOptimConfig:
+        return replace(self, learning_rate=float(learning_rate))
+
+    def state_dim(self, dim: int) -> int:
+        """Floats of optimizer state stored per row."""
+        return {OptimKind.SGD: 0, OptimKind.ROWWISE_ADAGRAD: 1, OptimKind.ADAM: 2 * dim}[
+            self.kind
+        ]
+
+    def state_names(self) -> list[str]:
+        """Names of the state tensors in exports and state_dicts."""
+        return {
+            OptimKind.SGD: [],
+            OptimKind.ROWWISE_ADAGRAD: ["momentum1"],
+            OptimKind.ADAM: ["exp_avg", "exp_avg_sq"],
+        }[self.kind]

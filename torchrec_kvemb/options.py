@@ -1,0 +1,106 @@
+"""Per-table options of a KV (key-value, zero-collision) embedding table."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+#: Slots per index bucket. 16 int64 keys are two cache lines: one probe reads
+#: them in one go (why 16: at 8 ways a uniformly filled table starts evicting
+#: at ~60% load, at 16 ways at ~75%).
+WAYS = 16
+
+
+class EvictionPolicy(enum.Enum):
+    """What a full bucket does when a new id arrives.
+
+    * ``LRU``: evict the entry used longest ago (score = last training step seen).
+    * ``LFU``: evict the entry seen least often (score = number of sightings).
+    * ``CUSTOM_SCORE``: evict the lowest score supplied by the caller per id.
+    * ``NONE``: never evict; the new id is not stored and is counted in
+      ``metrics()["insert_failures"]``.
+    """
+
+    LRU = "lru"
+    LFU = "lfu"
+    CUSTOM_SCORE = "custom_score"
+    NONE = "none"
+
+
+class Initializer(enum.Enum):
+    """Distribution of a new row's values (a pure function of id, seed, column)."""
+
+    UNIFORM = "uniform"
+    NORMAL = "normal"
+
+
+@dataclass(frozen=True)
+class SSDOptions:
+    """Options of the on-disk tier under a KV table.
+
+    Example::
+
+        SSDOptions(path="/mnt/ssd/kv", capacity=10_000_000)
+    """
+
+    path: str
+    capacity: int | None = None
+    eviction: EvictionPolicy = EvictionPolicy.LRU
+
+
+@dataclass(frozen=True)
+class KVTableOptions:
+    """Options of one KV table (or of every table, when shared).
+
+    Give either ``capacity`` (rows kept in memory) or ``memory_budget_bytes``
+    (capacity is then the number of rows that fit, see
+    :func:`torchrec_kvemb.table.bytes_per_row`).
+
+    Example::
+
+        KVTableOptions(capacity=1_000_000, eviction=EvictionPolicy.LFU,
+                       admission_threshold=2, seed=7)
+    """
+
+    capacity: int | None = None
+    memory_budget_bytes: int | None = None
+    eviction: EvictionPolicy = EvictionPolicy.LRU
+    #: An id gets a row after this many sightings (occurrences in training
+    #: batches); 1 admits every id on first sight.
+    admission_threshold: int = 1
+    #: Ids whose sightings are counted while they wait for admission (an LRU
+    #: index of its own); ``None``: the table's capacity.
+    admission_counter_capacity: int | None = None
+    initializer: Initializer = Initializer.UNIFORM
+    #: UNIFORM draws from [init_low, init_high); NORMAL from N(init_mean, init_std).
+    init_low: float = -0.01
+    init_high: float = 0.01
+    init_mean: float = 0.0
+    init_std: float = 0.01
+    seed: int = 0
+    #: Routing buckets of the id space for sharding (fixed for the model's life).
+    total_num_buckets: int = 1024
+    ssd: SSDOptions | None = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if (self.capacity is None) == (self.memory_budget_bytes is None):
+            raise ValueError("KVTableOptions: give exactly one of capacity or memory_budget_bytes")
+        if self.capacity is not None and self.capacity <= 0:
+            raise ValueError(f"KVTableOptions: capacity must be > 0, got {self.capacity}")
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
+            raise ValueError(
+                f"KVTableOptions: memory_budget_bytes must be > 0, got {self.memory_budget_bytes}"
+            )
+        if self.admission_threshold < 1:
+            raise ValueError(
+                f"KVTableOptions: admission_threshold must be >= 1, got {self.admission_threshold}"
+            )
+        if self.total_num_buckets < 1:
+            raise ValueError("KVTableOptions: total_num_buckets must be >= 1")
+        if not isinstance(self.eviction, EvictionPolicy):
+            raise TypeError(f"KVTableOptions: eviction must be an EvictionPolicy, got {self.eviction!r}")
+        if not isinstance(self.initializer, Initializer):
+            raise TypeError(
+                f"KVTableOptions: initializer must be an Initializer, got {self.initializer!r}"
+            )
