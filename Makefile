@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 FBGEMM := fbgemm-gpu-cpu==1.8.0
 TORCHREC := torchrec==1.9.2
-TORCHREC_NEEDS := tensordict torchmetrics==1.0.3 tqdm pyre-extensions iopath
+TORCHREC_NEEDS := tensordict torchmetrics==1.0.3 tqdm pyre-extensions
 TOOLS := triton==3.9.0 numpy pytest ruff matplotlib
 
 .PHONY: install test lint format demo bench clean
