@@ -16,9 +16,7 @@ from torchrec_kvemb.table import KVTable
 from torchrec_kvemb.validation import KVInputError, check_bags, check_ids
 
 
-def options_for(
-    options: KVTableOptions | dict[str, KVTableOptions], table: str
-) -> KVTableOptions:
+def options_for(options: KVTableOptions | dict[str, KVTableOptions], table: str) -> KVTableOptions:
     """The options of ``table`` from one shared KVTableOptions or a dict by table name."""
     if isinstance(options, KVTableOptions):
         return options

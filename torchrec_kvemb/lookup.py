@@ -65,7 +65,9 @@ def apply_gradients(
         from torchrec_kvemb.kernels.pooled_lookup import pooled_backward_triton
 
         uniq, grads = pooled_backward_triton(grad_out, slots, offsets, per_sample_weights, mean)
-        optimizer_update_triton(table.weights, table.state, uniq, grads, table.optim, table.optim_step)
+        optimizer_update_triton(
+            table.weights, table.state, uniq, grads, table.optim, table.optim_step
+        )
         return
     if fbgemm_supports(table.optim, table.weights):
         bags, scale = bag_scale(offsets, per_sample_weights, mean, slots.numel())
@@ -74,7 +76,12 @@ def apply_gradients(
         compact_offsets = torch.zeros(offsets.numel(), dtype=torch.int64, device=offsets.device)
         torch.cumsum(kept, 0, out=compact_offsets[1:])
         fused_backward_fbgemm(
-            grad_out, table.weights, table.state, slots[stored], compact_offsets, scale[stored],
+            grad_out,
+            table.weights,
+            table.state,
+            slots[stored],
+            compact_offsets,
+            scale[stored],
             table.optim,
         )
         return

@@ -121,9 +121,7 @@ class FusedOptimConfig:
 
     def state_dim(self, dim: int) -> int:
         """Floats of optimizer state stored per row."""
-        return {OptimKind.SGD: 0, OptimKind.ROWWISE_ADAGRAD: 1, OptimKind.ADAM: 2 * dim}[
-            self.kind
-        ]
+        return {OptimKind.SGD: 0, OptimKind.ROWWISE_ADAGRAD: 1, OptimKind.ADAM: 2 * dim}[self.kind]
 
     def state_names(self) -> list[str]:
         """Names of the state tensors in exports and state_dicts."""

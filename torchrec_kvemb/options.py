@@ -99,7 +99,9 @@ class KVTableOptions:
         if self.total_num_buckets < 1:
             raise ValueError("KVTableOptions: total_num_buckets must be >= 1")
         if not isinstance(self.eviction, EvictionPolicy):
-            raise TypeError(f"KVTableOptions: eviction must be an EvictionPolicy, got {self.eviction!r}")
+            raise TypeError(
+                f"KVTableOptions: eviction must be an EvictionPolicy, got {self.eviction!r}"
+            )
         if not isinstance(self.initializer, Initializer):
             raise TypeError(
                 f"KVTableOptions: initializer must be an Initializer, got {self.initializer!r}"

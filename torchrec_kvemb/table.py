@@ -14,8 +14,8 @@ import torch
 
 from torchrec_kvemb.ops.hashing import init_rows, seed_mix
 from torchrec_kvemb.ops.insert import InsertResult, insert, remove
-from torchrec_kvemb.ops.probe import probe
 from torchrec_kvemb.ops.pooled_lookup import InitSpec
+from torchrec_kvemb.ops.probe import probe
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import WAYS, EvictionPolicy, Initializer, KVTableOptions
 from torchrec_kvemb.validation import KVInputError, check_ids, check_rows
@@ -246,7 +246,9 @@ class KVTable:
         slots_u[candidates] = result.slots
         new_slots = result.slots[result.inserted]
         if new_slots.numel():
-            self.weights.index_copy_(0, new_slots, self.initial_rows(uniq[candidates][result.inserted]))
+            self.weights.index_copy_(
+                0, new_slots, self.initial_rows(uniq[candidates][result.inserted])
+            )
             if self.state_dim:
                 self.state.index_fill_(0, new_slots, 0.0)
         hit_u = torch.zeros_like(candidates)

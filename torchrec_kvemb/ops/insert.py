@@ -6,10 +6,12 @@ Batch semantics (the Triton kernel in ``kernels/insert.py`` gives the same bits)
    its score: ``score += value`` when ``accumulate`` (LFU counts), else
    ``score = value`` (LRU steps, custom scores).
 2. Per bucket, the stored entries (scores already updated) and the bucket's
-   new ids compete for the bucket's ``WAYS`` ways. Candidates are ranked by
-   score (higher first), then stored before new, then id (smaller first);
-   the first ``WAYS`` stay. With ``keep_existing`` stored entries rank above
-   every new id (no eviction: new ids only take empty ways).
+   new ids compete for the bucket's ``WAYS`` ways. Candidates are ranked:
+   protected stored entries first (those hit by this batch, so an id in use
+   never loses its row mid-batch; with ``keep_existing`` every stored entry),
+   then by score (higher first), then new before stored (a new id replaces a
+   stored one of equal score, so LFU keeps admitting), then id (smaller
+   first). The first ``WAYS`` stay.
 3. Stored entries that lose are evicted. Winning new ids take the freed and
    empty ways, in ascending way order, in rank order.
 
@@ -23,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from torchrec_kvemb.backend import use_triton
-from torchrec_kvemb.ops.hashing import INT64_MAX, index_bucket
+from torchrec_kvemb.ops.hashing import index_bucket
 
 
 class InsertResult(NamedTuple):
@@ -79,20 +81,27 @@ def insert_torch(
     stored_slot = (touched.unsqueeze(1) * ways + torch.arange(ways, device=device))[occupied]
     stored_score = stored_scores[occupied]
     if keep_existing:
-        stored_score = torch.full_like(stored_score, INT64_MAX)
+        stored_protected = torch.ones_like(stored_pos, dtype=torch.uint8)
+    else:
+        stored_protected = torch.isin(stored_slot, hit_slots).to(torch.uint8)
     n_stored = stored_pos.numel()
 
     cand_pos = torch.cat([stored_pos, touched_pos])
     cand_score = torch.cat([stored_score, values[miss_src]])
     cand_new = torch.cat(
-        [torch.zeros(n_stored, dtype=torch.uint8, device=device),
-         torch.ones(miss_src.numel(), dtype=torch.uint8, device=device)]
+        [
+            torch.zeros(n_stored, dtype=torch.uint8, device=device),
+            torch.ones(miss_src.numel(), dtype=torch.uint8, device=device),
+        ]
     )
     cand_id = torch.cat([stored_keys[occupied], ids[miss_src]])
-    # Lexicographic order (bucket, -score, new, id) by stable sorts, last key first.
+    cand_protected = torch.cat([stored_protected, torch.zeros_like(cand_new[n_stored:])])
+    # Lexicographic order (bucket, protected desc, score desc, new first, id) by
+    # stable sorts, last key first.
     order = _stable_argsort(cand_id)
-    order = order[_stable_argsort(cand_new[order])]
+    order = order[_stable_argsort(cand_new[order], descending=True)]
     order = order[_stable_argsort(cand_score[order], descending=True)]
+    order = order[_stable_argsort(cand_protected[order], descending=True)]
     order = order[_stable_argsort(cand_pos[order])]
 
     sorted_pos = cand_pos[order]
@@ -118,8 +127,6 @@ def insert_torch(
     take_row, take_way = take.nonzero(as_tuple=True)
     new_slots = touched[take_row] * ways + take_way
 
-    # A hit that lost its way to a new id holds no row any more.
-    slots[torch.isin(slots, evicted_slots)] = -1
     new_src = miss_src[won_new - n_stored]
     flat_keys.index_copy_(0, new_slots, ids[new_src])
     flat_scores.index_copy_(0, new_slots, values[new_src])

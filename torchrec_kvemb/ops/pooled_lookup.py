@@ -86,6 +86,8 @@ def pooled_backward_torch(
     stored = slots >= 0
     uniq, inverse = torch.unique(slots[stored], return_inverse=True)
     contrib = grad_out.index_select(0, bags[stored]) * scale[stored].unsqueeze(1)
-    grads = torch.zeros(uniq.numel(), grad_out.shape[1], dtype=grad_out.dtype, device=grad_out.device)
+    grads = torch.zeros(
+        uniq.numel(), grad_out.shape[1], dtype=grad_out.dtype, device=grad_out.device
+    )
     grads.index_add_(0, inverse, contrib)
     return uniq, grads
