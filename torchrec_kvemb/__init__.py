@@ -1,6 +1,7 @@
 """Key-value, zero-collision embedding tables for TorchRec."""
 
 from torchrec_kvemb.ebc import KVEmbeddingBagCollection
+from torchrec_kvemb.ops.block_bucketize import BucketizeResult, block_bucketize_2d
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import (
     EvictionPolicy,
@@ -12,6 +13,8 @@ from torchrec_kvemb.table import KVTable
 from torchrec_kvemb.validation import KVInputError
 
 __all__ = [
+    "BucketizeResult",
+    "block_bucketize_2d",
     "EvictionPolicy",
     "FusedOptimConfig",
     "Initializer",
