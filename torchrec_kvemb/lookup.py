@@ -70,8 +70,13 @@ def apply_gradients(
         )
         return
     if fbgemm_supports(table.optim, table.weights):
-        bags, scale = bag_scale(offsets, per_sample_weights, mean, slots.numel())
         stored = slots >= 0
+        if per_sample_weights is None and bool(stored.all()):
+            fused_backward_fbgemm(
+                grad_out, table.weights, table.state, slots, offsets, None, table.optim, mean
+            )
+            return
+        bags, scale = bag_scale(offsets, per_sample_weights, mean, slots.numel())
         kept = torch.bincount(bags[stored], minlength=offsets.numel() - 1)
         compact_offsets = torch.zeros(offsets.numel(), dtype=torch.int64, device=offsets.device)
         torch.cumsum(kept, 0, out=compact_offsets[1:])

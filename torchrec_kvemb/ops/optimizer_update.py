@@ -82,13 +82,15 @@ def fused_backward_fbgemm(
     state: torch.Tensor,
     slots: torch.Tensor,
     offsets: torch.Tensor,
-    scale: torch.Tensor,
+    scale: torch.Tensor | None,
     config: FusedOptimConfig,
+    mean: bool = False,
 ) -> None:
     """Gradient reduction and optimizer update by fbgemm's CPU TBE backward, in place.
 
     ``slots`` holds only stored rows (no -1); ``offsets`` its bags; ``scale`` the
-    per-id multiplier (sample weight, / length for mean pooling).
+    per-id multiplier (sample weight, / length for mean pooling), or ``None``
+    for unweighted bags pooled by sum, or by mean when ``mean``.
     """
     capacity, dim = weights.shape
     i32 = dict(dtype=torch.int32)
@@ -104,8 +106,9 @@ def fused_backward_fbgemm(
         total_hash_size_bits=max(1, int(capacity).bit_length()),
         indices=slots,
         offsets=offsets,
-        pooling_mode=0,  # SUM: the mean's 1/length is in ``scale``
-        indice_weights=scale.to(torch.float32),
+        # With a scale, SUM: a mean's 1/length is in the scale.
+        pooling_mode=1 if (mean and scale is None) else 0,
+        indice_weights=torch.empty(0) if scale is None else scale.to(torch.float32),
         stochastic_rounding=False,
         learning_rate_tensor=torch.tensor(config.learning_rate, dtype=torch.float32),
     )

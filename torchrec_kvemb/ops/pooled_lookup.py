@@ -52,9 +52,19 @@ def pooled_forward_torch(
     init: InitSpec,
 ) -> torch.Tensor:
     """Pooled rows ``[B, dim]``: sum (or mean) over each bag of row * sample weight."""
+    stored = slots >= 0
+    if (per_sample_weights is None or not mean) and bool(stored.all()):
+        # why: the common case (every id has a row) pools in one embedding_bag call.
+        return F.embedding_bag(
+            slots,
+            weights,
+            offsets,
+            mode="mean" if mean else "sum",
+            per_sample_weights=None if per_sample_weights is None else per_sample_weights.float(),
+            include_last_offset=True,
+        )
     n = slots.numel()
     bags, scale = bag_scale(offsets, per_sample_weights, mean, n)
-    stored = slots >= 0
     # why embedding_bag: it pools straight from the table by index (fbgemm's
     # kernel on CPU) instead of materializing n gathered rows.
     out = F.embedding_bag(
