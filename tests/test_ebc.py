@@ -39,7 +39,7 @@ def _kjt(values, lengths, weights=None, keys=("u1", "u2", "i")):
 def _state(ebc):
     return {
         name: [t.keys.clone(), t.weights.clone(), t.state.clone(), t.scores.clone()]
-        for name, t in ebc.tables().items()
+        for name, t in ebc.kv_tables().items()
     }
 
 

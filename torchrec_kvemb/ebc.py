@@ -100,7 +100,8 @@ class KVEmbeddingBagCollection(nn.Module):
         """The KVTable named ``name``."""
         return self._tables[name]
 
-    def tables(self) -> dict[str, KVTable]:
+    def kv_tables(self) -> dict[str, KVTable]:
+        """Every KVTable by name (``tables`` is not used: TorchRec's planner reads it)."""
         return dict(self._tables)
 
     def metrics(self) -> dict[str, dict[str, float]]:
