@@ -1,0 +1,284 @@
+"""Helpers shared by the benchmarks: ids, timing, tables, markdown, profiles.
+
+* ``ZipfIds``: bounded Zipf ids with hot ids scattered over the id range;
+  ``spread_ids`` maps them one-to-one into a large (2**40) raw id space.
+* ``time_interleaved``: warm-up, then ``repeats`` timed blocks of ``steps``
+  calls per system, systems taking turns block by block, so that every system
+  sees the same machine noise; the figure is the median block (per step).
+* ``format_table`` / ``markdown_table`` / ``write_markdown``: result tables.
+* ``profile_functions`` / ``profile_ops``: where a step's time goes, by
+  Python function of a package (stack-based, exact) and by torch op.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+#: Odd multiplier of ``spread_ids`` (the 64-bit golden ratio): odd, so the map
+#: is a bijection of the integers modulo 2**bits.
+_SPREAD_MULT = 0x9E3779B97F4A7C15 - (1 << 64)
+
+
+def set_threads(threads: int | None) -> int:
+    """Set torch's intra-op threads (``None``: the machine's cores); returns the old value."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    return previous
+
+
+class ZipfIds:
+    """Bounded Zipf ids in ``[0, rows)``: rank ``k`` (1-based) has probability
+    proportional to ``1 / k**alpha``; ranks map to ids by a fixed random
+    permutation, so hot ids are scattered over the table, not packed at row 0.
+
+    Holds an exact CDF (8 bytes per row). Example::
+
+        ids = ZipfIds(rows=1_000_000, alpha=1.05, seed=0).sample(81_920)
+    """
+
+    def __init__(self, rows: int, alpha: float, seed: int = 0) -> None:
+        if rows <= 0:
+            raise ValueError(f"rows must be > 0, got {rows}")
+        self.rows = rows
+        self.alpha = alpha
+        self._generator = torch.Generator().manual_seed(seed)
+        weights = torch.arange(1, rows + 1, dtype=torch.float64).pow_(-alpha)
+        cdf = torch.cumsum(weights, 0)
+        self._cdf = cdf / cdf[-1]
+        self._rank_to_id = torch.randperm(rows, generator=self._generator)
+
+    def sample(self, n: int) -> torch.Tensor:
+        """``n`` ids, int64, drawn independently."""
+        u = torch.rand(n, generator=self._generator, dtype=torch.float64)
+        ranks = torch.searchsorted(self._cdf, u, right=True).clamp_(max=self.rows - 1)
+        return self._rank_to_id[ranks]
+
+
+def spread_ids(ids: torch.Tensor, bits: int = 40) -> torch.Tensor:
+    """A fixed one-to-one map of ids in ``[0, 2**bits)`` onto ``[0, 2**bits)`` that
+    scatters small ids over the whole range (multiplication by an odd constant)."""
+    if not 1 <= bits <= 62:
+        raise ValueError(f"bits must be in [1, 62], got {bits}")
+    # int64 multiplication wraps modulo 2**64; the mask keeps the low ``bits``.
+    return (ids.to(torch.int64) * _SPREAD_MULT) & ((1 << bits) - 1)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per call: the median and the best of the timed blocks."""
+
+    median_s: float
+    best_s: float
+    samples: tuple[float, ...]
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[float]) -> Timing:
+        return cls(statistics.median(samples), min(samples), tuple(samples))
+
+
+def time_interleaved(
+    steps: Mapping[str, Callable[[int], object]],
+    steps_per_block: int,
+    repeats: int,
+    warmup: int = 1,
+) -> dict[str, Timing]:
+    """Time several step functions taking turns.
+
+    Each function is called with its own call counter ``0, 1, 2, ...`` (so every
+    system can be fed the same batch sequence): first ``warmup`` calls untimed,
+    then ``repeats`` blocks of ``steps_per_block`` calls, the systems
+    alternating block by block. Returns per-call timings by name.
+    """
+    if steps_per_block < 1 or repeats < 1:
+        raise ValueError("steps_per_block and repeats must be >= 1")
+    calls = dict.fromkeys(steps, 0)
+
+    def run(name: str, n: int) -> float:
+        fn, start = steps[name], calls[name]
+        gc.collect()
+        begin = time.perf_counter()
+        for i in range(start, start + n):
+            fn(i)
+        elapsed = time.perf_counter() - begin
+        calls[name] += n
+        return elapsed
+
+    for name in steps:
+        if warmup:
+            run(name, warmup)
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name in steps:
+            samples[name].append(run(name, steps_per_block) / steps_per_block)
+    return {name: Timing.from_samples(s) for name, s in samples.items()}
+
+
+def time_steps(
+    step: Callable[[int], object], steps_per_block: int, repeats: int, warmup: int = 1
+) -> Timing:
+    """``time_interleaved`` for one step function."""
+    return time_interleaved({"step": step}, steps_per_block, repeats, warmup)["step"]
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain-text table: first column left-aligned, the others right-aligned."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:
+        parts = [
+            row[i].ljust(widths[i]) if i == 0 else row[i].rjust(widths[i]) for i in range(len(row))
+        ]
+        return "  ".join(parts).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub markdown table (first column left-aligned, the others right)."""
+    head = "| " + " | ".join(str(h) for h in headers) + " |"
+    align = "|" + "|".join(":---" if i == 0 else "---:" for i in range(len(headers))) + "|"
+    body = ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join([head, align] + body)
+
+
+def write_markdown(path: str | Path, title: str, sections: Sequence[str]) -> Path:
+    """Write ``# title`` and the sections (separated by blank lines) to ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = f"# {title}\n\n" + "\n\n".join(s.strip() for s in sections) + "\n"
+    path.write_text(text)
+    return path
+
+
+def load_average() -> float:
+    """The 1-minute load average (-1 where the OS does not report one)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return -1.0
+
+
+def machine_summary() -> str:
+    """One line: CPU, cores, threads in use, torch version."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return (
+        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
+        f"with {torch.get_num_threads()} threads"
+    )
+
+
+def profile_functions(
+    fn: Callable[[int], object], calls: int, package: str, limit: int = 25
+) -> str:
+    """Where ``calls`` calls of ``fn(i)`` spend their time, by Python function of
+    ``package`` (a path fragment, e.g. ``"torchrec_kvemb"``), per call:
+
+    * ``excl ms``: every moment is charged to the innermost function of the
+      package on the Python stack, so the torch ops and library code a function
+      calls count for it; the column sums to the wall time of the calls
+      (``outside <package>``: time with no package function on the stack);
+    * ``cum ms``: from the function's call to its return.
+
+    Uses ``sys.setprofile`` (about a microsecond per Python call, included).
+    """
+    outside = ("", 0, f"outside {package}")
+    excl: dict[tuple, float] = {outside: 0.0}
+    cum: dict[tuple, float] = {}
+    ncalls: dict[tuple, int] = {}
+    owners: list[tuple] = [outside]  # per live frame: innermost package function
+    starts: list[float | None] = []  # per live frame: call time if it is ours
+    last = time.perf_counter()
+
+    def hook(frame, event, arg) -> None:
+        nonlocal last
+        if event not in ("call", "return"):
+            return
+        now = time.perf_counter()
+        excl[owners[-1]] = excl.get(owners[-1], 0.0) + now - last
+        last = now
+        if event == "call":
+            code = frame.f_code
+            if package in code.co_filename.replace(os.sep, "/"):
+                key = (code.co_filename, code.co_firstlineno, code.co_name)
+                ncalls[key] = ncalls.get(key, 0) + 1
+                owners.append(key)
+                starts.append(now)
+            else:
+                owners.append(owners[-1])
+                starts.append(None)
+        elif len(owners) > 1:  # a return of a frame entered while profiling
+            key, start = owners.pop(), starts.pop()
+            if start is not None:
+                cum[key] = cum.get(key, 0.0) + now - start
+
+    sys.setprofile(hook)
+    try:
+        for i in range(calls):
+            fn(i)
+    finally:
+        sys.setprofile(None)
+    excl[owners[-1]] = excl.get(owners[-1], 0.0) + time.perf_counter() - last
+    total = sum(excl.values())
+    ranked = sorted(excl, key=excl.get, reverse=True)
+
+    def label(key: tuple) -> str:
+        if key == outside:
+            return key[2]
+        path = Path(key[0])
+        return f"{path.parent.name}/{path.name}:{key[1]} {key[2]}"
+
+    table = [
+        (
+            label(key),
+            f"{ncalls.get(key, 0) / calls:.0f}",
+            f"{1e3 * excl[key] / calls:.2f}",
+            f"{1e3 * cum.get(key, 0.0) / calls:.2f}",
+            f"{100 * excl[key] / total:.1f}",
+        )
+        for key in ranked[:limit]
+    ]
+    table.append(("total", "", f"{1e3 * total / calls:.2f}", "", "100.0"))
+    return format_table(("function", "calls", "excl ms", "cum ms", "%"), table)
+
+
+def profile_ops(fn: Callable[[int], object], calls: int, limit: int = 25) -> str:
+    """torch.profiler over ``calls`` calls of ``fn(i)``: the top ops by self CPU
+    time, in ms per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(calls):
+            fn(i)
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    rows = [
+        (
+            e.key[:70],
+            f"{e.count / calls:.0f}",
+            f"{e.self_cpu_time_total / 1e3 / calls:.2f}",
+            f"{100 * e.self_cpu_time_total / total:.1f}",
+        )
+        for e in events[:limit]
+    ]
+    rows.append(("total", "", f"{total / 1e3 / calls:.2f}", "100.0"))
+    return format_table(("op", "calls", "self ms", "%"), rows)
