@@ -35,18 +35,19 @@ def pooled_forward(
     missing_as_zero: bool,
 ) -> torch.Tensor:
     """Pooled rows ``[B, dim]``; ids without a row pool their initial value, or zeros."""
-    if missing_as_zero:
-        stored = (slots >= 0).to(torch.float32)
-        per_sample_weights = stored if per_sample_weights is None else per_sample_weights * stored
     if use_triton(slots.device):
         from torchrec_kvemb.kernels.pooled_lookup import pooled_forward_triton
 
+        if missing_as_zero:
+            stored = (slots >= 0).to(torch.float32)
+            per_sample_weights = (
+                stored if per_sample_weights is None else per_sample_weights * stored
+            )
         return pooled_forward_triton(
             table.weights, slots, ids, offsets, per_sample_weights, mean, table.init_spec
         )
-    return pooled_forward_torch(
-        table.weights, slots, ids, offsets, per_sample_weights, mean, table.init_spec
-    )
+    init = None if missing_as_zero else table.init_spec
+    return pooled_forward_torch(table.weights, slots, ids, offsets, per_sample_weights, mean, init)
 
 
 def apply_gradients(

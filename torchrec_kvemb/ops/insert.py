@@ -26,6 +26,7 @@ import torch
 
 from torchrec_kvemb.backend import use_triton
 from torchrec_kvemb.ops.hashing import index_bucket
+from torchrec_kvemb.ops.probe import probe_rows
 
 
 class InsertResult(NamedTuple):
@@ -53,25 +54,72 @@ def insert_torch(
     """Find-or-insert unique ``ids`` with per-id score ``values``; updates in place."""
     num_buckets, ways = keys.shape
     device = ids.device
-    flat_keys = keys.view(-1)
     flat_scores = scores.view(-1)
     buckets = index_bucket(ids, num_buckets)
-    match = keys.index_select(0, buckets) == ids.unsqueeze(1)
-    hit = match.any(dim=1)
-    slots = torch.where(hit, buckets * ways + match.to(torch.uint8).argmax(dim=1), -1)
-
+    slots = probe_rows(keys, ids, buckets)
+    hit = slots >= 0
     hit_slots = slots[hit]
     if accumulate:
         flat_scores.index_add_(0, hit_slots, values[hit])
     else:
         flat_scores.index_copy_(0, hit_slots, values[hit])
 
-    miss = ~hit
     empty = torch.empty(0, dtype=torch.int64, device=device)
-    if not bool(miss.any()):
-        return InsertResult(slots, hit, torch.zeros_like(hit), empty, empty)
+    miss_src = (~hit).nonzero().squeeze(1)
+    inserted = torch.zeros_like(hit)
+    if miss_src.numel() == 0:
+        return InsertResult(slots, hit, inserted, empty, empty)
 
-    miss_src = miss.nonzero().squeeze(1)
+    # New ids grouped by bucket, ranked within it by (score desc, id asc).
+    miss_values = values[miss_src]
+    order = torch.sort(ids[miss_src]).indices
+    if bool(miss_values.min() != miss_values.max()):
+        order = order[_stable_argsort(miss_values[order], descending=True)]
+    order = order[_stable_argsort(buckets[miss_src[order]])]
+    new_src = miss_src[order]
+    touched, counts = torch.unique_consecutive(buckets[new_src], return_counts=True)
+    occupied = keys.index_select(0, touched) >= 0
+    fits = counts <= (~occupied).sum(dim=1)
+
+    # Buckets with room for all their new ids evict nothing: the new ids take
+    # the empty ways in ascending order, in rank order (the general rule's outcome).
+    free = ~occupied & fits.unsqueeze(1)
+    take = free & (torch.cumsum(free.to(torch.int64), dim=1) <= counts.unsqueeze(1))
+    take_row, take_way = take.nonzero(as_tuple=True)
+    fit_src = new_src[torch.repeat_interleave(fits, counts)]
+    fit_slots = touched[take_row] * ways + take_way
+    _write(keys, scores, ids, values, fit_src, fit_slots, slots, inserted)
+    if bool(fits.all()):
+        return InsertResult(slots, hit, inserted, empty, empty)
+
+    over_src = new_src[torch.repeat_interleave(~fits, counts)]
+    won_src, won_slots, evicted_ids, evicted_slots = _rank_and_evict(
+        keys, scores, ids, values, buckets, over_src, hit_slots, keep_existing
+    )
+    _write(keys, scores, ids, values, won_src, won_slots, slots, inserted)
+    return InsertResult(slots, hit, inserted, evicted_ids, evicted_slots)
+
+
+def _write(keys, scores, ids, values, src, new_slots, slots, inserted) -> None:
+    keys.view(-1).index_copy_(0, new_slots, ids[src])
+    scores.view(-1).index_copy_(0, new_slots, values[src])
+    slots[src] = new_slots
+    inserted[src] = True
+
+
+def _rank_and_evict(
+    keys: torch.Tensor,
+    scores: torch.Tensor,
+    ids: torch.Tensor,
+    values: torch.Tensor,
+    buckets: torch.Tensor,
+    miss_src: torch.Tensor,
+    hit_slots: torch.Tensor,
+    keep_existing: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The general rule, for overflowing buckets: (winners, their slots, evicted ids, slots)."""
+    ways = keys.shape[1]
+    device = ids.device
     touched, touched_pos = torch.unique(buckets[miss_src], return_inverse=True)
     t = touched.numel()
     stored_keys = keys.index_select(0, touched)
@@ -126,14 +174,7 @@ def insert_torch(
     take = free & (free_rank < wanted.unsqueeze(1))
     take_row, take_way = take.nonzero(as_tuple=True)
     new_slots = touched[take_row] * ways + take_way
-
-    new_src = miss_src[won_new - n_stored]
-    flat_keys.index_copy_(0, new_slots, ids[new_src])
-    flat_scores.index_copy_(0, new_slots, values[new_src])
-    slots[new_src] = new_slots
-    inserted = torch.zeros_like(hit)
-    inserted[new_src] = True
-    return InsertResult(slots, hit, inserted, evicted_ids, evicted_slots)
+    return miss_src[won_new - n_stored], new_slots, evicted_ids, evicted_slots
 
 
 def insert(

@@ -49,9 +49,12 @@ def pooled_forward_torch(
     offsets: torch.Tensor,
     per_sample_weights: torch.Tensor | None,
     mean: bool,
-    init: InitSpec,
+    init: InitSpec | None,
 ) -> torch.Tensor:
-    """Pooled rows ``[B, dim]``: sum (or mean) over each bag of row * sample weight."""
+    """Pooled rows ``[B, dim]``: sum (or mean) over each bag of row * sample weight.
+
+    ``init=None``: ids without a row pool as zeros (read-only lookups).
+    """
     stored = slots >= 0
     if (per_sample_weights is None or not mean) and bool(stored.all()):
         # why: the common case (every id has a row) pools in one embedding_bag call.
@@ -78,7 +81,7 @@ def pooled_forward_torch(
     if out.shape[0] != offsets.numel() - 1:  # embedding_bag drops nothing, but be exact
         out = out[: offsets.numel() - 1]
     missing = (~stored).nonzero().squeeze(1)
-    if missing.numel():
+    if missing.numel() and init is not None:
         rows = init_rows(ids[missing], weights.shape[1], init.seed, init.normal, init.a, init.b)
         out.index_add_(0, bags[missing], rows * scale[missing].unsqueeze(1))
     return out

@@ -13,14 +13,23 @@ from torchrec_kvemb.backend import use_triton
 from torchrec_kvemb.ops.hashing import index_bucket
 
 
-def probe_torch(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Slots ``[n]`` int64 of ``ids`` in ``keys``; -1 where absent."""
-    num_buckets, ways = keys.shape
-    buckets = index_bucket(ids, num_buckets)
+def probe_rows(keys: torch.Tensor, ids: torch.Tensor, buckets: torch.Tensor) -> torch.Tensor:
+    """Slots of ``ids`` whose index buckets are ``buckets``; -1 where absent."""
+    ways = keys.shape[1]
     # why index_select: 6x faster than advanced indexing for [n, 16] rows on CPU.
     match = keys.index_select(0, buckets) == ids.unsqueeze(1)
-    way = match.to(torch.uint8).argmax(dim=1)
-    return torch.where(match.any(dim=1), buckets * ways + way, -1)
+    # An id sits in at most one way, so a dot product with 1..ways names it
+    # (0: absent) in one pass; any() + argmax() take twice as long.
+    way1 = match.to(torch.float32) @ torch.arange(
+        1, ways + 1, dtype=torch.float32, device=ids.device
+    )
+    way1 = way1.to(torch.int64)
+    return torch.where(way1 > 0, buckets * ways + way1 - 1, -1)
+
+
+def probe_torch(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Slots ``[n]`` int64 of ``ids`` in ``keys``; -1 where absent."""
+    return probe_rows(keys, ids, index_bucket(ids, keys.shape[0]))
 
 
 def probe(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
