@@ -238,24 +238,26 @@ class KVTable:
             scores_u = torch.full_like(uniq, torch.iinfo(torch.int64).min)
             scores_u.scatter_reduce_(0, inverse, custom_scores.to(torch.int64), reduce="amax")
         values = self._score_values(uniq, counts, scores_u)
-        candidates = torch.ones_like(uniq, dtype=torch.bool)
-        if self._counter is not None:
+        if self._counter is None:
+            # why: every id is a candidate; skipping the masks saves ~2 ms per 80k ids.
+            result = self._insert(uniq, values)
+            slots_u, new_ids, hit_u = result.slots, uniq[result.inserted], result.hit
+        else:
             candidates = self._admit(uniq, counts)
-        slots_u = torch.full_like(uniq, -1)
-        result = self._insert(uniq[candidates], values[candidates])
-        slots_u[candidates] = result.slots
+            cand_idx = candidates.nonzero().squeeze(1)
+            result = self._insert(uniq[cand_idx], values[cand_idx])
+            slots_u = torch.full_like(uniq, -1).index_copy_(0, cand_idx, result.slots)
+            new_ids = uniq[cand_idx[result.inserted]]
+            hit_u = torch.zeros_like(candidates).index_copy_(0, cand_idx, result.hit)
+            self._metrics["admission_rejects"] += uniq.numel() - cand_idx.numel()
         new_slots = result.slots[result.inserted]
         if new_slots.numel():
-            self.weights.index_copy_(
-                0, new_slots, self.initial_rows(uniq[candidates][result.inserted])
-            )
+            self.weights.index_copy_(0, new_slots, self.initial_rows(new_ids))
             if self.state_dim:
                 self.state.index_fill_(0, new_slots, 0.0)
-        hit_u = torch.zeros_like(candidates)
-        hit_u[candidates] = result.hit
-        self._metrics["hits"] += int(counts[hit_u].sum())
-        self._metrics["misses"] += int(counts[~hit_u].sum())
-        self._metrics["admission_rejects"] += int((~candidates).sum())
+        hits = int(torch.dot(counts, hit_u.to(counts.dtype)))
+        self._metrics["hits"] += hits
+        self._metrics["misses"] += ids.numel() - hits
         return slots_u[inverse]
 
     def lookup_eval(self, ids: torch.Tensor) -> torch.Tensor:

@@ -61,7 +61,9 @@ def fmix64_int(value: int) -> int:
 
 def index_bucket(ids: torch.Tensor, num_buckets: int) -> torch.Tensor:
     """The index bucket of each id in a table of ``num_buckets`` buckets."""
-    return (fmix64(ids ^ to_signed(INDEX_SALT)) & INT64_MAX) % num_buckets
+    x = ids ^ to_signed(INDEX_SALT)
+    _fmix64_(x, torch.empty_like(x))
+    return x.bitwise_and_(INT64_MAX).remainder_(num_buckets)
 
 
 def route_bucket(ids: torch.Tensor, num_buckets: int | torch.Tensor) -> torch.Tensor:
