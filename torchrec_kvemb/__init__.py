@@ -9,6 +9,7 @@ from torchrec_kvemb.options import (
     KVTableOptions,
     SSDOptions,
 )
+from torchrec_kvemb.sharding import KVEmbeddingBagCollectionSharder
 from torchrec_kvemb.table import KVTable
 from torchrec_kvemb.validation import KVInputError
 
@@ -19,6 +20,7 @@ __all__ = [
     "FusedOptimConfig",
     "Initializer",
     "KVEmbeddingBagCollection",
+    "KVEmbeddingBagCollectionSharder",
     "KVInputError",
     "KVTable",
     "KVTableOptions",

@@ -79,7 +79,7 @@ class KVTableOptions:
     init_std: float = 0.01
     seed: int = 0
     #: Routing buckets of the id space for sharding (fixed for the model's life).
-    total_num_buckets: int = 1024
+    total_num_buckets: int = 40320  # 8! = 2^7 3^2 5 7: world sizes 1-10, 12, 16, 24, 32, 64, 128, ...
     ssd: SSDOptions | None = None
     extra: dict = field(default_factory=dict, compare=False)
 

@@ -74,7 +74,9 @@ def route_bucket(ids: torch.Tensor, num_buckets: int | torch.Tensor) -> torch.Te
     ``num_buckets`` would all share one bucket, and so one rank. Torch ops on
     any device; it runs once per batch before the all-to-all (no Triton twin).
     """
-    return (fmix64(ids.to(torch.int64) ^ to_signed(ROUTE_SALT)) & INT64_MAX) % num_buckets
+    x = ids.to(torch.int64) ^ to_signed(ROUTE_SALT)
+    _fmix64_(x, torch.empty_like(x))
+    return x.bitwise_and_(INT64_MAX).remainder_(num_buckets)
 
 
 def seed_mix(seed: int) -> int:

@@ -1,0 +1,233 @@
+"""Row-wise sharding of KV tables: route every id to the rank that owns its bucket.
+
+A table's id space is cut into ``G = options.total_num_buckets`` routing
+buckets by a hash (:func:`~torchrec_kvemb.ops.hashing.route_bucket`); rank
+``r`` of ``W`` owns the contiguous buckets ``[r * G / W, (r + 1) * G / W)``
+(``W`` must divide ``G``). Ids travel unchanged (raw ids are the keys), so a
+row's owner depends on ``W`` only through the bucket range: resharding moves
+whole buckets.
+
+Only the input dist differs from TorchRec's row-wise sharding: the output dist
+is the stock reduce-scatter of pooled partial sums.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.dist_data import KJTAllToAll
+from torchrec.distributed.embedding_lookup import BaseEmbeddingLookup
+from torchrec.distributed.embedding_sharding import (
+    BaseSparseFeaturesDist,
+    EmbeddingShardingInfo,
+)
+from torchrec.distributed.embedding_types import BaseGroupedFeatureProcessor
+from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
+from torchrec.distributed.types import Awaitable, QuantizedCommCodecs, ShardingEnv, ShardingType
+from torchrec.modules.embedding_configs import PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_kvemb.ops.block_bucketize import block_bucketize_2d
+from torchrec_kvemb.ops.hashing import route_bucket
+from torchrec_kvemb.sharding.kv_embedding import KVGroupedPooledEmbeddingsLookup, KVTableSpecs
+
+
+def check_num_buckets(table: str, num_buckets: int, world_size: int) -> None:
+    """Row-wise needs ``world_size`` to divide the table's ``total_num_buckets``."""
+    if num_buckets % world_size != 0:
+        raise ValueError(
+            f"table {table!r}: row-wise sharding over {world_size} ranks needs "
+            f"KVTableOptions.total_num_buckets to be a multiple of {world_size}, "
+            f"got {num_buckets}"
+        )
+
+
+def owner_rank(ids: torch.Tensor, num_buckets: int, world_size: int) -> torch.Tensor:
+    """The rank that stores each id: its bucket's range, ``bucket // (G / W)``."""
+    return route_bucket(ids, num_buckets) // (num_buckets // world_size)
+
+
+def bucketize_kv_features(
+    features: KeyedJaggedTensor,
+    num_buckets: Sequence[int],
+    world_size: int,
+    mean_pooled: Sequence[bool] | None = None,
+) -> KeyedJaggedTensor:
+    """Group a batch's ids by owner rank, ready for ``KJTAllToAll``.
+
+    Returns a KJT with keys ``features.keys() * world_size`` (rank-major: rank 0's
+    copy of every feature, then rank 1's...), the same stride, and the original
+    ids in their original order within each (rank, bag). ``num_buckets``: ``G``
+    per feature. ``mean_pooled``: features whose table pools by MEAN; their ids
+    carry ``weight / bag length`` (``1 / bag length`` unweighted) as per-sample
+    weight, so that the owners' partial sums add up to the mean over the whole
+    bag, exactly as unsharded.
+
+    Example::
+
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=["f"], values=torch.tensor([5, 6, 7]), lengths=torch.tensor([2, 1]))
+        routed = bucketize_kv_features(kjt, num_buckets=[8], world_size=2)
+        routed.keys()   # ["f", "f"]: the ids for rank 0, then those for rank 1
+    """
+    keys = features.keys()
+    if len(num_buckets) != len(keys):
+        raise ValueError(f"num_buckets has {len(num_buckets)} entries for {len(keys)} features")
+    if any(g % world_size for g in num_buckets):
+        raise ValueError(
+            f"num_buckets {list(num_buckets)} must be multiples of world_size={world_size}"
+        )
+    if features.variable_stride_per_key():
+        raise ValueError("KV row-wise: variable batch size per feature is not supported yet")
+    ids = features.values()
+    lengths = features.lengths()
+    weights = features.weights_or_none()
+    if len(set(num_buckets)) == 1:
+        per_id_buckets: int | torch.Tensor = num_buckets[0]
+    else:
+        per_id_buckets = torch.repeat_interleave(
+            torch.tensor(num_buckets, device=ids.device),
+            torch.tensor(features.length_per_key(), device=ids.device),
+            output_size=ids.numel(),
+        )
+    buckets = route_bucket(ids, per_id_buckets)
+    if mean_pooled is not None and any(mean_pooled):
+        weights = _mean_weights(features, mean_pooled, weights)
+    routed = block_bucketize_2d(
+        lengths,
+        buckets,
+        block_sizes=[g // world_size for g in num_buckets],
+        world_size=world_size,
+        weights=weights,
+        keep_orig_idx=True,
+    )
+    # The bucketized indices are bucket numbers: put each id where its bucket went
+    # (why scatter_: 4x faster than index assignment on 330k ids).
+    permute = routed.unbucketize_permute.to(torch.int64)
+    routed_ids = torch.empty_like(ids).scatter_(0, permute, ids)
+    return KeyedJaggedTensor(
+        keys=keys * world_size,
+        values=routed_ids,
+        weights=routed.weights,
+        lengths=routed.lengths,
+        stride=features.stride(),
+    )
+
+
+def _mean_weights(
+    features: KeyedJaggedTensor,
+    mean_pooled: Sequence[bool],
+    weights: torch.Tensor | None,
+) -> torch.Tensor:
+    """Per-id ``weight / bag length`` for MEAN features, ``weight`` (or 1) for the others."""
+    ids = features.values()
+    lengths = features.lengths().to(torch.int64)
+    stride = features.stride()
+    is_mean = torch.tensor(mean_pooled, dtype=torch.bool, device=ids.device)
+    is_mean = is_mean.repeat_interleave(stride, output_size=lengths.numel())
+    divisor = torch.where(is_mean, lengths.clamp(min=1), 1).to(torch.float32)
+    divisor = divisor.repeat_interleave(lengths, output_size=ids.numel())
+    if weights is None:
+        base = torch.ones(ids.numel(), dtype=torch.float32, device=ids.device)
+    else:
+        base = weights.to(torch.float32)
+    # why divide (not multiply by 1/len): unsharded MEAN scales by w / len, bit for bit.
+    return base / divisor
+
+
+class KVRwSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
+    """Input dist of row-wise KV features: route by bucket, then TorchRec's ``KJTAllToAll``.
+
+    Returns the two-stage awaitable (splits, then tensors) that
+    ``TrainPipelineSparseDist`` fuses with the other modules' splits exchange.
+
+    Example::
+
+        input_dist = KVRwSparseFeaturesDist(pg, num_buckets=[1024, 1024], mean_pooled=[False, True])
+        kjt_on_this_rank = input_dist(local_kjt).wait().wait()
+    """
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        num_buckets: Sequence[int],
+        mean_pooled: Sequence[bool] | None = None,
+    ) -> None:
+        super().__init__()
+        self._world_size = pg.size()
+        if any(g % self._world_size for g in num_buckets):
+            raise ValueError(
+                f"total_num_buckets {list(num_buckets)} must be multiples of the "
+                f"world size {self._world_size}"
+            )
+        self._num_buckets = list(num_buckets)
+        self._mean_pooled = list(mean_pooled) if mean_pooled is not None else None
+        self._dist = KJTAllToAll(pg=pg, splits=[len(self._num_buckets)] * self._world_size)
+
+    def forward(
+        self, sparse_features: KeyedJaggedTensor
+    ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        routed = bucketize_kv_features(
+            sparse_features, self._num_buckets, self._world_size, self._mean_pooled
+        )
+        return self._dist(routed)
+
+
+class KVRwPooledEmbeddingSharding(RwPooledEmbeddingSharding):
+    """TorchRec's row-wise pooled sharding with KV routing and KV lookups.
+
+    Each rank holds one shard of every table, with ``1 / W`` of its capacity.
+
+    Example::
+
+        sharding = KVRwPooledEmbeddingSharding(sharding_infos, env, device, specs=specs)
+    """
+
+    def __init__(
+        self,
+        sharding_infos: list[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+        *,
+        specs: KVTableSpecs,
+    ) -> None:
+        super().__init__(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
+        self._kv_specs = specs
+        world_size = self._pg.size()
+        for info in sharding_infos:
+            name = info.embedding_config.name
+            check_num_buckets(name, specs.options[name].total_num_buckets, world_size)
+
+    def create_input_dist(
+        self, device: torch.device | None = None
+    ) -> BaseSparseFeaturesDist[KeyedJaggedTensor]:
+        tables = self.embedding_tables()
+        num_buckets = [
+            self._kv_specs.options[t.name].total_num_buckets
+            for t in tables
+            for _ in range(t.num_features())
+        ]
+        mean_pooled = [t.pooling == PoolingType.MEAN for t in tables for _ in t.feature_names]
+        return KVRwSparseFeaturesDist(self._pg, num_buckets, mean_pooled)
+
+    def create_lookup(
+        self,
+        device: torch.device | None = None,
+        fused_params: dict[str, Any] | None = None,
+        feature_processor: BaseGroupedFeatureProcessor | None = None,
+    ) -> BaseEmbeddingLookup:
+        if feature_processor is not None:
+            raise ValueError("KV tables: feature processors are not supported yet")
+        return KVGroupedPooledEmbeddingsLookup(
+            self._kv_specs,
+            num_shards=self._pg.size(),
+            grouped_configs=self._grouped_embedding_configs,
+            pg=self._pg,
+            device=device if device is not None else self._device,
+            sharding_type=ShardingType.ROW_WISE,
+            env=self._env,
+        )

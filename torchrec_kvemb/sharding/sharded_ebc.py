@@ -1,0 +1,263 @@
+"""The sharded collection: TorchRec's ``ShardedEmbeddingBagCollection`` with KV tables.
+
+Everything a stock sharded EBC does stays (feature permutation and split per
+sharding, the two-stage input dist that ``TrainPipelineSparseDist`` fuses,
+pooled all-to-all / reduce-scatter with autograd, ``KeyedTensor`` assembly,
+the combined ``fused_optimizer``); tables whose plan says ``customized_kernel``
+get a KV sharding (:mod:`.rw`, :mod:`.tw`) instead of the stock one. Tables
+without KV options in the same collection take the untouched stock path.
+
+Gradients: TorchRec's pooled output dists divide the gradient by the world
+size in backward (``torchrec.distributed.comm_ops``, gradient division on by
+default). A sharded run therefore matches an unsharded one whose loss is the
+mean of the ranks' losses (or their sum with the learning rate divided by the
+world size), for KV and stock tables alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
+from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from torchrec.distributed.types import (
+    EmbeddingModuleShardingPlan,
+    ParameterSharding,
+    QuantizedCommCodecs,
+    ShardingEnv,
+    ShardingType,
+)
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from torchrec_kvemb.ebc import KVEmbeddingBagCollection
+from torchrec_kvemb.sharding.kv_embedding import KVGroupedPooledEmbeddingsLookup, KVTableSpecs
+from torchrec_kvemb.sharding.planner import KV_COMPUTE_KERNEL
+from torchrec_kvemb.sharding.rw import KVRwPooledEmbeddingSharding
+from torchrec_kvemb.sharding.tw import KVTwPooledEmbeddingSharding
+from torchrec_kvemb.table import KVTable
+
+#: Prefix of the ``sharding_type_to_sharding_infos`` keys of KV groups. The keys
+#: are labels only; separate keys give KV tables their own input dist.
+KV_GROUP_PREFIX = "kv:"
+
+_KV_SHARDINGS = {
+    ShardingType.ROW_WISE.value: KVRwPooledEmbeddingSharding,
+    ShardingType.TABLE_WISE.value: KVTwPooledEmbeddingSharding,
+}
+#: Sharding types a KV table may have.
+KV_SHARDING_TYPES = list(_KV_SHARDINGS)
+
+
+def check_plan(
+    kv_tables: Mapping[str, Any],
+    configs: list[EmbeddingBagConfig],
+    plan: Mapping[str, ParameterSharding],
+) -> None:
+    """Every KV table planned ``customized_kernel`` with a KV sharding type, and no other."""
+    for config in configs:
+        name = config.name
+        if name not in plan:
+            raise ValueError(f"table {name!r}: the sharding plan has no entry for it")
+        sharding = plan[name]
+        is_kv = name in kv_tables
+        if is_kv and sharding.compute_kernel != KV_COMPUTE_KERNEL:
+            raise ValueError(
+                f"table {name!r} has KVTableOptions but the plan gives it compute kernel "
+                f"{sharding.compute_kernel!r}; KV tables need {KV_COMPUTE_KERNEL!r}"
+            )
+        if is_kv and sharding.sharding_type not in _KV_SHARDINGS:
+            raise ValueError(
+                f"table {name!r}: KV tables shard {' or '.join(KV_SHARDING_TYPES)}, "
+                f"the plan says {sharding.sharding_type}"
+            )
+        if not is_kv and sharding.compute_kernel == KV_COMPUTE_KERNEL:
+            raise ValueError(
+                f"table {name!r}: the plan gives it {KV_COMPUTE_KERNEL!r} but the sharder "
+                "has no KVTableOptions for it"
+            )
+        if is_kv and config.pooling not in (PoolingType.SUM, PoolingType.MEAN):
+            raise ValueError(f"table {name!r}: pooling {config.pooling} not supported")
+
+
+class _KVCollectionView:
+    """What ``ShardedEmbeddingBagCollection.__init__`` reads of the module it shards,
+    for a ``KVEmbeddingBagCollection``: configs, weightedness, and 0-row ``meta``
+    placeholders where a stock EBC has weights (its tables may have ``2**63 - 1``
+    rows, which no tensor can hold)."""
+
+    device = torch.device("meta")
+
+    def __init__(self, module: KVEmbeddingBagCollection) -> None:
+        self._module = module
+        self._params = {
+            f"embedding_bags.{c.name}.weight": nn.Parameter(
+                torch.empty(0, c.embedding_dim, device="meta"), requires_grad=False
+            )
+            for c in module.embedding_bag_configs()
+        }
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self._module.embedding_bag_configs()
+
+    def is_weighted(self) -> bool:
+        return self._module.is_weighted()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return iter(self._params.items())
+
+    def state_dict(self) -> dict[str, nn.Parameter]:
+        return dict(self._params)
+
+
+class ShardedKVEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+    """A sharded ``EmbeddingBagCollection`` (or ``KVEmbeddingBagCollection``) whose
+    KV tables are sharded row-wise or table-wise over ``KVTable`` shards.
+
+    Built by :class:`~torchrec_kvemb.KVEmbeddingBagCollectionSharder`; forward,
+    ``input_dist`` / ``compute_and_output_dist`` and ``fused_optimizer`` are
+    TorchRec's. ``kv_tables()`` gives this rank's shards, ``metrics()`` their
+    counters. ``state_dict()`` holds no KV entries yet.
+
+    Example::
+
+        model = DistributedModelParallel(model, device=torch.device("cpu"),
+                                         sharders=[KVEmbeddingBagCollectionSharder(options)])
+        sharded = model.module.ebc   # ShardedKVEmbeddingBagCollection
+        sharded.kv_tables()["user"].size   # ids stored on this rank
+    """
+
+    def __init__(
+        self,
+        module: EmbeddingBagCollection | KVEmbeddingBagCollection,
+        table_name_to_parameter_sharding: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        specs: KVTableSpecs,
+        fused_params: dict[str, Any] | None = None,
+        device: torch.device | None = None,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+        module_fqn: str | None = None,
+    ) -> None:
+        check_plan(specs.options, module.embedding_bag_configs(), table_name_to_parameter_sharding)
+        # Read by create_grouped_sharding_infos / create_embedding_bag_sharding,
+        # which the base __init__ calls.
+        self.__dict__["_kv_specs"] = specs
+        if isinstance(module, KVEmbeddingBagCollection):
+            module = _KVCollectionView(module)
+        super().__init__(
+            module,
+            table_name_to_parameter_sharding,
+            env,
+            fused_params=fused_params,
+            device=device,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+            module_fqn=module_fqn,
+        )
+        self._pool_kv_mean_by_sum()
+
+    # ------------------------------------------------------------- public
+    def kv_tables(self) -> dict[str, KVTable]:
+        """This rank's KV table shards by table name (tables with no shard here are absent)."""
+        tables: dict[str, KVTable] = {}
+        for lookup in self._lookups:
+            while isinstance(lookup, nn.parallel.DistributedDataParallel):
+                lookup = lookup.module
+            if isinstance(lookup, KVGroupedPooledEmbeddingsLookup):
+                tables.update(lookup.kv_tables())
+        return tables
+
+    def metrics(self) -> dict[str, dict[str, float]]:
+        """``KVTable.metrics()`` of this rank's shards, by table name."""
+        return {name: table.metrics() for name, table in self.kv_tables().items()}
+
+    # ------------------------------------------------- base class hooks
+    def create_grouped_sharding_infos(
+        self,
+        module: Any,
+        table_name_to_parameter_sharding: dict[str, ParameterSharding],
+        prefix: str,
+        fused_params: dict[str, Any] | None,
+        suffix: str | None = "weight",
+    ) -> dict[str, list[EmbeddingShardingInfo]]:
+        """The stock grouping, with KV tables under their own keys, KV first (so that
+        ``fused_optimizer.param_groups[0]`` is a KV group on ranks that hold one)."""
+        infos = super().create_grouped_sharding_infos(
+            module, table_name_to_parameter_sharding, prefix, fused_params, suffix
+        )
+        kv: dict[str, list[EmbeddingShardingInfo]] = {}
+        stock: dict[str, list[EmbeddingShardingInfo]] = {}
+        for sharding_type, group in infos.items():
+            kv_infos = [i for i in group if i.param_sharding.compute_kernel == KV_COMPUTE_KERNEL]
+            stock_infos = [i for i in group if i.param_sharding.compute_kernel != KV_COMPUTE_KERNEL]
+            if kv_infos:
+                kv[KV_GROUP_PREFIX + sharding_type] = kv_infos
+            if stock_infos:
+                stock[sharding_type] = stock_infos
+        return {**kv, **stock}
+
+    def create_embedding_bag_sharding(
+        self,
+        sharding_infos: list[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        permute_embeddings: bool = False,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+    ) -> EmbeddingSharding:
+        """A KV sharding for KV groups, the stock one otherwise."""
+        param_sharding = sharding_infos[0].param_sharding
+        if param_sharding.compute_kernel != KV_COMPUTE_KERNEL:
+            return super().create_embedding_bag_sharding(
+                sharding_infos, env, device, permute_embeddings, qcomm_codecs_registry
+            )
+        sharding_cls = _KV_SHARDINGS[param_sharding.sharding_type]
+        return sharding_cls(
+            sharding_infos,
+            env,
+            device,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+            specs=self._kv_specs,
+        )
+
+    def reset_parameters(self) -> None:
+        """The stock initialization for stock tables; KV rows are born from (id, seed)."""
+        configs = self._embedding_bag_configs
+        self._embedding_bag_configs = [c for c in configs if c.name not in self._kv_specs.options]
+        try:
+            super().reset_parameters()
+        finally:
+            self._embedding_bag_configs = configs
+
+    def update_shards(
+        self,
+        changed_sharding_params: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: torch.device | None,
+    ) -> None:
+        raise NotImplementedError(
+            "resharding a collection with KV tables in place is not supported yet"
+        )
+
+    def _pool_kv_mean_by_sum(self) -> None:
+        """Row-wise KV MEAN tables get their ``1 / bag length`` per id in the input dist
+        (see :func:`~torchrec_kvemb.sharding.rw.bucketize_kv_features`), so the stock
+        mean divisor, applied after the reduce-scatter, must leave them alone."""
+        mean_key, sum_key = PoolingType.MEAN.value, PoolingType.SUM.value
+        kv_features = {
+            f
+            for c in self._embedding_bag_configs
+            if c.name in self._kv_specs.options and c.pooling == PoolingType.MEAN
+            for f in c.feature_names
+        }
+        moved = [f for f in self._pooling_type_to_rs_features[mean_key] if f in kv_features]
+        if not moved:
+            return
+        kept = [f for f in self._pooling_type_to_rs_features[mean_key] if f not in kv_features]
+        if kept:
+            self._pooling_type_to_rs_features[mean_key] = kept
+        else:
+            del self._pooling_type_to_rs_features[mean_key]
+        self._pooling_type_to_rs_features[sum_key].extend(moved)
+        self._has_mean_pooling_callback = bool(kept)
