@@ -195,6 +195,18 @@ def _option_id(opt: tuple) -> str:
     )
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("world_size", [1, 3, 4], ids=lambda w: f"ws{w}")
+@pytest.mark.parametrize("opt", OPTIONS, ids=_option_id)
+def test_cpu_dispatch_equals_torch_path(opt: tuple, world_size: int, seed: int) -> None:
+    """The CPU dispatch (fbgemm's op where it applies) gives the torch path's bits."""
+    weights, factor, vbe, pos, keep = opt
+    case = make_case(seed, world_size, weights, factor, vbe, pos, keep)
+    expected = block_bucketize_2d_torch(**case.kwargs())
+    got = block_bucketize_2d(**case.kwargs())
+    assert_same(got, tuple(expected), case.describe())
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("world_size", [1, 3, 4], ids=lambda w: f"ws{w}")
 @pytest.mark.parametrize("opt", OPTIONS, ids=_option_id)

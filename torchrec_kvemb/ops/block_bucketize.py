@@ -23,6 +23,11 @@ import torch
 
 from torchrec_kvemb.backend import use_triton
 
+try:  # registers torch.ops.fbgemm (the CPU fast path)
+    import fbgemm_gpu  # noqa: F401
+except ImportError:  # pragma: no cover
+    pass
+
 __all__ = ["BucketizeResult", "block_bucketize_2d", "block_bucketize_2d_torch"]
 
 IntsLike = torch.Tensor | Sequence[int]
@@ -356,4 +361,54 @@ def block_bucketize_2d(
         from torchrec_kvemb.kernels.block_bucketize import block_bucketize_triton
 
         return block_bucketize_triton(inp)
+    if inp.indices.device.type == "cpu":
+        fast = bucketize_prepared_fbgemm(inp)
+        if fast is not None:
+            return fast
     return bucketize_prepared_torch(inp)
+
+
+def bucketize_prepared_fbgemm(inp: BucketizeInputs) -> BucketizeResult | None:
+    """fbgemm's CPU op on validated inputs (3x the torch path); ``None`` where it can't.
+
+    The tests hold it equal to ``bucketize_prepared_torch`` on every case they cover.
+    """
+    weights = inp.weights
+    if not hasattr(torch.ops.fbgemm, "block_bucketize_sparse_features"):
+        return None
+    if (
+        weights is not None
+        and weights.dim() == 1
+        and weights.dtype
+        not in (
+            torch.float32,
+            torch.float64,
+        )
+    ):
+        return None
+    if weights is not None and weights.dim() == 2 and weights.shape[1] == 0:
+        return None
+    idx_dtype = inp.indices.dtype
+    batch_sizes = torch.diff(inp.feature_ends, prepend=inp.feature_ends.new_zeros(1))
+    variable = batch_sizes.numel() > 0 and bool((batch_sizes != batch_sizes[0]).any())
+    common = dict(
+        batch_size_per_feature=batch_sizes.to(inp.lengths.dtype) if variable else None,
+        max_B=int(batch_sizes.max()) if variable else -1,
+        keep_orig_idx=inp.keep_orig_idx,
+        total_num_blocks=inp.num_blocks.to(idx_dtype),
+    )
+    args = (
+        inp.lengths,
+        inp.indices,
+        inp.bucketize_pos,
+        True,
+        inp.block_sizes.to(idx_dtype),
+        inp.world_size,
+    )
+    if weights is not None and weights.dim() == 2:
+        out = torch.ops.fbgemm.block_bucketize_sparse_features_2d_weights(
+            *args, weights, weights_dim=weights.shape[1], **common
+        )
+    else:
+        out = torch.ops.fbgemm.block_bucketize_sparse_features(*args, weights=weights, **common)
+    return BucketizeResult(*out)
