@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from torchrec_kvemb.kernels.probe import BLOCK_IDS, probe_block
-from torchrec_kvemb.ops.insert import InsertResult
+from torchrec_kvemb.ops.insert import InsertResult, _stable_argsort
 
 
 @triton.jit
@@ -130,10 +130,6 @@ def insert_fwd_kernel(
     src = tl.load(new_src_ptr + seg_off, mask=won, other=0)
     tl.store(slots_ptr + src, slot, mask=won)
     tl.store(inserted_ptr + src, tl.full([2 * WAYS], 1, tl.uint8), mask=won)
-
-
-def _stable_argsort(values: torch.Tensor, descending: bool = False) -> torch.Tensor:
-    return torch.sort(values, stable=True, descending=descending).indices
 
 
 def insert_triton(
