@@ -150,3 +150,34 @@ def test_invariants_under_churn(accumulate: bool, keep_existing: bool) -> None:
         assert bool((keys.view(-1)[out.evicted_slots] >= 0).all()), "evicted slot not reused"
         if keep_existing:
             assert out.evicted_ids.numel() == 0
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["assign", "accumulate"])
+@pytest.mark.parametrize("keep_existing", [False, True], ids=["evict", "keep-existing"])
+def test_pairwise_and_sorting_rankers_agree(accumulate, keep_existing, monkeypatch) -> None:
+    """Full buckets are ranked pairwise (few new ids) or by sorts (many): same bits."""
+    import torchrec_kvemb.ops.insert as insert_module
+
+    tables = []
+    for _ in range(2):
+        tables.append(
+            (torch.full((5, WAYS), -1, dtype=torch.int64), torch.zeros(5, WAYS, dtype=torch.int64))
+        )
+    gen = torch.Generator().manual_seed(11)
+    for step in range(12):
+        ids = torch.unique(
+            torch.randint(0, 400, (int(torch.randint(5, 120, (1,), generator=gen)),), generator=gen)
+        )
+        values = torch.randint(0, 6, ids.shape, generator=gen)
+        outs = []
+        for limit, (keys, scores) in zip((insert_module._DENSE_MAX_NEW, 0), tables):
+            monkeypatch.setattr(insert_module, "_DENSE_MAX_NEW", limit)
+            outs.append(insert_torch(keys, scores, ids, values, accumulate, keep_existing))
+        a, b = outs
+        assert torch.equal(tables[0][0], tables[1][0]), f"keys differ at step {step}"
+        assert torch.equal(tables[0][1], tables[1][1]), f"scores differ at step {step}"
+        assert torch.equal(a.slots, b.slots) and torch.equal(a.inserted, b.inserted)
+        order_a, order_b = a.evicted_slots.argsort(), b.evicted_slots.argsort()
+        assert torch.equal(a.evicted_slots[order_a], b.evicted_slots[order_b])
+        assert torch.equal(a.evicted_ids[order_a], b.evicted_ids[order_b])
+    assert tables[0][0].ge(0).all(), "the churn never filled the table"
