@@ -78,7 +78,11 @@ def test_triton_matches_torch(optim, pooling, weighted, policy, monkeypatch):
         ebc.eval()
         outs.append(next(_batches(weighted, steps=1)).values().float())
         outs.append(ebc(next(_batches(weighted, steps=1))).values())
-        results[backend] = (outs, {n: t.export() for n, t in ebc.kv_tables().items()}, ebc.metrics())
+        results[backend] = (
+            outs,
+            {n: t.export() for n, t in ebc.kv_tables().items()},
+            ebc.metrics(),
+        )
     (ref_outs, ref_tables, ref_metrics), (outs, tables, metrics) = (
         results["torch"],
         results["triton"],

@@ -245,13 +245,6 @@ def test_insert_rejects_wrong_shapes_and_duplicates():
     assert all(torch.equal(x, y) for x, y in zip(before, _snapshot(table)))
 
 
-def test_ssd_option_is_refused_clearly():
-    from torchrec_kvemb import SSDOptions
-
-    with pytest.raises(ValueError, match="'s'.*SSD tier"):
-        KVTable("s", 4, KVTableOptions(capacity=32, ssd=SSDOptions(path="/tmp/x")))
-
-
 def test_same_bucket_overflow_is_exact():
     ids = _same_ids_in_bucket(WAYS + 5, num_buckets=4)
     table = KVTable("b", 2, KVTableOptions(capacity=4 * WAYS))

@@ -9,6 +9,7 @@ from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from torchrec_kvemb.checkpoint.state import register_unsharded_hooks
 from torchrec_kvemb.lookup import KVPooledLookup, pooled_forward
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import KVTableOptions
@@ -84,6 +85,7 @@ class KVEmbeddingBagCollection(nn.Module):
         self._anchor = torch.empty(0, requires_grad=True)
         self._feature_names = [f for c in tables for f in c.feature_names]
         self._dims = [c.embedding_dim for c in tables for _ in c.feature_names]
+        register_unsharded_hooks(self)  # state_dict: docs/checkpoint-format.md
 
     # ---------------------------------------------------------- TorchRec API
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
@@ -107,6 +109,31 @@ class KVEmbeddingBagCollection(nn.Module):
     def metrics(self) -> dict[str, dict[str, float]]:
         """``KVTable.metrics()`` of every table, by name."""
         return {name: t.metrics() for name, t in self._tables.items()}
+
+    # -------------------------------------------------------------- prefetch
+    def prefetch(
+        self,
+        features: KeyedJaggedTensor,
+        forward_stream: torch.Stream | None = None,
+        ctx: object | None = None,
+    ) -> None:
+        """Start reading the SSD rows a coming batch needs, on each SSD table's
+        background thread, so the reads overlap the current batch's compute; the
+        next forward uses them (its results are the same with or without this).
+
+        The signature follows TorchRec's ``prefetch`` hook (``TrainPipelinePrefetch``
+        calls it with the next batch while the current one runs);
+        ``forward_stream`` and ``ctx`` are accepted and unused. Tables without an
+        SSD tier ignore it. Example::
+
+            for batch, upcoming in zip(batches, batches[1:] + [None]):
+                if upcoming is not None:
+                    ebc.prefetch(upcoming)
+                model(ebc(batch)).backward()
+        """
+        batches = self._split(features, None)
+        for name, (ids, _, _, _) in batches.items():
+            self._tables[name].prefetch(ids)
 
     # --------------------------------------------------------------- forward
     def forward(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass, field
 
 #: Slots per index bucket. 16 int64 keys are two cache lines: one probe reads
@@ -36,16 +37,45 @@ class Initializer(enum.Enum):
 
 @dataclass(frozen=True)
 class SSDOptions:
-    """Options of the on-disk tier under a KV table.
+    """Options of the on-disk tier under a KV table (see docs/ssd-tier.md).
+
+    The in-memory table becomes a cache over files in ``path``
+    (``<path>/<table>.rank<r>.slab`` and ``.index``): a row the memory evicts is
+    written there, and comes back when its id is looked up again.
 
     Example::
 
         SSDOptions(path="/mnt/ssd/kv", capacity=10_000_000)
     """
 
+    #: Directory of the tier's files (created if missing; one pair per table and rank).
     path: str
+    #: Rows the SSD tier keeps; ``None``: as many as come (its index grows).
     capacity: int | None = None
+    #: Which rows the SSD tier drops when full: ``LRU`` (least recently used in
+    #: memory for an LRU table, else demoted longest ago), ``LFU`` (LFU tables
+    #: only: lowest count), ``CUSTOM_SCORE`` (CUSTOM_SCORE tables only: lowest
+    #: score) or ``NONE`` (keep stored rows, drop the new one).
     eviction: EvictionPolicy = EvictionPolicy.LRU
+    #: Threads that read records of a large batch (a queue for the disk when
+    #: the pages are not cached).
+    io_threads: int = 16
+    #: Load the rows of a previous run found in ``path`` (as of its last flush);
+    #: ``False`` starts empty and overwrites them.
+    resume: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
+            raise ValueError(f"SSDOptions: path must be a directory path, got {self.path!r}")
+        object.__setattr__(self, "path", os.fspath(self.path))
+        if self.capacity is not None and self.capacity <= 0:
+            raise ValueError(f"SSDOptions: capacity must be > 0 or None, got {self.capacity}")
+        if not isinstance(self.eviction, EvictionPolicy):
+            raise TypeError(
+                f"SSDOptions: eviction must be an EvictionPolicy, got {self.eviction!r}"
+            )
+        if self.io_threads < 1:
+            raise ValueError(f"SSDOptions: io_threads must be >= 1, got {self.io_threads}")
 
 
 @dataclass(frozen=True)
@@ -79,7 +109,8 @@ class KVTableOptions:
     init_std: float = 0.01
     seed: int = 0
     #: Routing buckets of the id space for sharding (fixed for the model's life).
-    total_num_buckets: int = 40320  # 8! = 2^7 3^2 5 7: world sizes 1-10, 12, 16, 24, 32, 64, 128, ...
+    #: 8! = 2^7 3^2 5 7 splits evenly over world sizes 1-10, 12, 16, 24, 32, 64, 128, ...
+    total_num_buckets: int = 40320
     ssd: SSDOptions | None = None
     extra: dict = field(default_factory=dict, compare=False)
 

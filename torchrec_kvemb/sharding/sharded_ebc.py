@@ -33,6 +33,7 @@ from torchrec.distributed.types import (
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+from torchrec_kvemb.checkpoint.state import register_sharded_hooks
 from torchrec_kvemb.ebc import KVEmbeddingBagCollection
 from torchrec_kvemb.sharding.kv_embedding import KVGroupedPooledEmbeddingsLookup, KVTableSpecs
 from torchrec_kvemb.sharding.planner import KV_COMPUTE_KERNEL
@@ -120,7 +121,8 @@ class ShardedKVEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     Built by :class:`~torchrec_kvemb.KVEmbeddingBagCollectionSharder`; forward,
     ``input_dist`` / ``compute_and_output_dist`` and ``fused_optimizer`` are
     TorchRec's. ``kv_tables()`` gives this rank's shards, ``metrics()`` their
-    counters. ``state_dict()`` holds no KV entries yet.
+    counters. ``state_dict()`` holds the KV tables' rows as ShardedTensors (a
+    collective: call it on every rank; see docs/checkpoint-format.md).
 
     Example::
 
@@ -229,6 +231,12 @@ class ShardedKVEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             super().reset_parameters()
         finally:
             self._embedding_bag_configs = configs
+
+    def _initialize_torch_state(self, skip_registering: bool = False) -> None:
+        """The stock state_dict entries, plus the KV tables' (docs/checkpoint-format.md)."""
+        super()._initialize_torch_state(skip_registering)
+        if not skip_registering:
+            register_sharded_hooks(self)
 
     def update_shards(
         self,

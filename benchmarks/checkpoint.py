@@ -1,0 +1,300 @@
+"""Checkpoint save / load throughput of KV tables against the disk's sequential rate.
+
+One process, no process group (``torchrec_kvemb.checkpoint`` without
+``torch.distributed``): a ``KVEmbeddingBagCollection`` of ``tables`` KV tables,
+``rows`` ids each (raw ids spread over ``[0, 2**40)``), ``dim`` floats per row,
+row-wise Adagrad (one float of state per row). Bytes of a checkpoint: per row
+``4 * dim`` (weight) + 4 (momentum1) + 8 (id) + 8 (score).
+
+* ``save``: ``checkpoint.save(model, path)``: ``state_dict()`` (every table's
+  export, sorted by routing bucket), DCP's writes, fsync, rename, marker.
+* ``load``: ``checkpoint.load(fresh_model, path)`` after the checkpoint's files
+  are dropped from the page cache (``posix_fadvise(DONTNEED)``): metadata,
+  reads, checks, inserts into the tables. The fresh model's table memory is
+  touched before the clock starts: a new table's zeros are allocated lazily, and
+  the first write of every page (``first touch`` in the report) is the model's
+  cost, paid by the load or by the first training steps.
+* ``disk write`` / ``disk read``: a file of the same size written sequentially
+  in 8 MiB blocks then fsynced; dropped from the page cache, read back. Measured
+  in the same run, beside the checkpoint, on the same file system.
+
+Throughput is checkpoint bytes per second; the ratio is against the disk's
+rate in the same direction (target: 0.5x or better). The figure is the median
+of ``repeats`` runs.
+
+Run from the repository root::
+
+    python -m benchmarks.checkpoint                 # about a minute, ~5 GB of memory
+    python -m benchmarks.checkpoint --quick         # smoke-test sizes
+    python -m benchmarks.checkpoint --dir /mnt/ssd  # the file system to measure
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec import EmbeddingBagConfig
+
+from benchmarks.common import format_table, load_average, machine_summary, markdown_table
+from torchrec_kvemb import KVEmbeddingBagCollection, KVTableOptions, checkpoint
+
+#: Checkpoint throughput must reach this fraction of the disk's sequential rate.
+TARGET = 0.5
+BLOCK = 8 << 20
+
+
+@dataclass(frozen=True)
+class CheckpointBenchConfig:
+    tables: int = 4
+    rows: int = 1_000_000  # ids stored per table
+    dim: int = 64
+    repeats: int = 3
+    threads: int = 2  # torch intra-op threads
+    writer_threads: int = 4  # DCP writer threads (files) per rank; the load reads them in parallel
+
+
+QUICK = CheckpointBenchConfig(tables=2, rows=20_000, dim=16, repeats=1)
+
+
+@dataclass(frozen=True)
+class CheckpointBenchResult:
+    config: CheckpointBenchConfig
+    bytes: int
+    seconds: dict[str, float]  # median per operation
+    samples: dict[str, tuple[float, ...]]
+
+    def rate(self, what: str) -> float:
+        """GB/s (10**9 bytes) of ``what``."""
+        return self.bytes / self.seconds[what] / 1e9
+
+
+# ----------------------------------------------------------------- tables
+def build(config: CheckpointBenchConfig) -> KVEmbeddingBagCollection:
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=config.dim, num_embeddings=2**40, feature_names=[f"f{i}"]
+        )
+        for i in range(config.tables)
+    ]
+    # why 2x: a uniformly filled 16-way index starts dropping ids at about 60% load.
+    options = KVTableOptions(capacity=2 * config.rows)
+    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01}
+    return KVEmbeddingBagCollection(tables, options, fused_params=fused)
+
+
+def fill(model: KVEmbeddingBagCollection, config: CheckpointBenchConfig) -> None:
+    """``rows`` distinct ids per table with random rows, state and scores."""
+    g = torch.Generator().manual_seed(0)
+    for i, table in enumerate(model.kv_tables().values()):
+        ids = torch.unique(torch.randint(0, 2**40, (int(config.rows * 1.01),), generator=g))
+        ids = ids[torch.randperm(ids.numel(), generator=g)[: config.rows]]
+        table.insert(
+            ids,
+            torch.randn(ids.numel(), config.dim, generator=g),
+            torch.rand(ids.numel(), 1, generator=g),
+        )
+        table.step = table.optim_step = 10 + i
+        if table.size < 0.99 * config.rows:
+            raise RuntimeError(f"table {table.name}: {table.size} of {config.rows} rows stored")
+
+
+def checkpoint_bytes(model: KVEmbeddingBagCollection) -> int:
+    """Bytes of the rows of a checkpoint: weight, momentum1, id and score per row."""
+    return sum(t.size * (4 * t.dim + 4 + 8 + 8) for t in model.kv_tables().values())
+
+
+# ------------------------------------------------------------------- disk
+def drop_cache(path: Path) -> None:
+    """Drop ``path`` (a file, or every file under a directory) from the page cache."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def disk_write(path: Path, nbytes: int) -> float:
+    block = os.urandom(BLOCK)
+    start = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        for offset in range(0, nbytes, BLOCK):
+            f.write(block[: min(BLOCK, nbytes - offset)])
+        os.fsync(f.fileno())
+    return time.perf_counter() - start
+
+
+def disk_read(path: Path) -> float:
+    drop_cache(path)
+    buffer = bytearray(BLOCK)
+    start = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buffer):
+            pass
+    return time.perf_counter() - start
+
+
+# -------------------------------------------------------------------- run
+def run(config: CheckpointBenchConfig, directory: Path) -> CheckpointBenchResult:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(config.threads)
+    samples: dict[str, list[float]] = {
+        "save": [],
+        "load": [],
+        "disk write": [],
+        "disk read": [],
+        "first touch": [],
+    }
+    work = Path(tempfile.mkdtemp(prefix="kvemb_ckpt_bench_", dir=directory))
+    try:
+        model = build(config)
+        fill(model, config)
+        nbytes = checkpoint_bytes(model)
+        path = work / "ckpt"
+        for _ in range(config.repeats):
+            disk_file = work / "disk"
+            samples["disk write"].append(disk_write(disk_file, nbytes))
+            samples["disk read"].append(disk_read(disk_file))
+            disk_file.unlink()
+
+            gc.collect()
+            start = time.perf_counter()
+            checkpoint.save(model, path, thread_count=config.writer_threads)
+            samples["save"].append(time.perf_counter() - start)
+
+            fresh = build(config)
+            samples["first touch"].append(touch(fresh))
+            drop_cache(path)
+            gc.collect()
+            start = time.perf_counter()
+            checkpoint.load(fresh, path)
+            samples["load"].append(time.perf_counter() - start)
+            check_same(model, fresh)
+            del fresh
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        torch.set_num_threads(previous)
+    return CheckpointBenchResult(
+        config,
+        nbytes,
+        {k: statistics.median(v) for k, v in samples.items()},
+        {k: tuple(v) for k, v in samples.items()},
+    )
+
+
+def touch(model: KVEmbeddingBagCollection) -> float:
+    """Write every page of the tables' memory once; returns the seconds it took."""
+    start = time.perf_counter()
+    for table in model.kv_tables().values():
+        table.weights.zero_()
+        table.state.zero_()
+        table.keys.fill_(-1)
+        table.scores.zero_()
+    return time.perf_counter() - start
+
+
+def check_same(a: KVEmbeddingBagCollection, b: KVEmbeddingBagCollection) -> None:
+    """The loaded tables hold the saved ids, rows and state (a sample of rows)."""
+    for name, table in a.kv_tables().items():
+        other = b.table(name)
+        if other.size != table.size or other.step != table.step:
+            raise RuntimeError(f"table {name}: {other.size} rows loaded of {table.size}")
+        ids = table.export()["ids"][:: max(1, table.size // 1000)]
+        rows, found = other.find(ids)
+        want, _ = table.find(ids)
+        if not bool(found.all()) or not torch.equal(rows, want):
+            raise RuntimeError(f"table {name}: loaded rows differ")
+
+
+# ----------------------------------------------------------------- report
+def describe(config: CheckpointBenchConfig) -> str:
+    return (
+        f"{config.tables} KV tables x {config.rows:,} rows x dim {config.dim}, row-wise "
+        f"Adagrad; {config.repeats} runs (median), {config.threads} torch threads, "
+        f"{config.writer_threads} DCP writer thread(s)"
+    )
+
+
+def rows_of(result: CheckpointBenchResult) -> list[tuple[str, ...]]:
+    out = []
+    for what, disk in (("save", "disk write"), ("load", "disk read")):
+        ratio = result.rate(what) / result.rate(disk)
+        verdict = "met" if ratio >= TARGET else "missed"
+        out.append(
+            (
+                what,
+                f"{result.seconds[what]:.2f}",
+                f"{result.rate(what):.2f}",
+                f"{result.rate(disk):.2f}",
+                f"{ratio:.2f}x ({verdict})",
+            )
+        )
+    return out
+
+
+HEADERS = ("operation", "s", "GB/s", "disk GB/s", f"vs disk (target {TARGET}x)")
+
+
+def report(result: CheckpointBenchResult) -> str:
+    return (
+        f"Checkpoint throughput: {describe(result.config)}\n"
+        f"{result.bytes / 1e9:.2f} GB per checkpoint; {machine_summary()}; "
+        f"load average {load_average():.1f}\n\n"
+        + format_table(HEADERS, rows_of(result))
+        + f"\n\nfirst touch of a fresh model's table memory (not in load): "
+        f"{result.seconds['first touch']:.2f} s\n"
+        + "samples (s): "
+        + ", ".join(f"{k} {' '.join(f'{v:.2f}' for v in vs)}" for k, vs in result.samples.items())
+    )
+
+
+def markdown(result: CheckpointBenchResult) -> str:
+    return (
+        f"{describe(result.config)}; {result.bytes / 1e9:.2f} GB per checkpoint.\n\n"
+        + markdown_table(HEADERS, rows_of(result))
+    )
+
+
+# -------------------------------------------------------------------- CLI
+def parse_args(argv: Sequence[str] | None) -> tuple[CheckpointBenchConfig, argparse.Namespace]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="file system to measure")
+    parser.add_argument("--markdown", action="store_true", help="print a markdown table too")
+    for f in fields(CheckpointBenchConfig):
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=None)
+    args = parser.parse_args(argv)
+    config = QUICK if args.quick else CheckpointBenchConfig()
+    overrides = {
+        f.name: getattr(args, f.name)
+        for f in fields(CheckpointBenchConfig)
+        if getattr(args, f.name) is not None
+    }
+    return replace(config, **overrides), args
+
+
+def main(argv: Sequence[str] | None = None) -> CheckpointBenchResult:
+    config, args = parse_args(argv)
+    result = run(config, Path(args.dir))
+    print(report(result))
+    if args.markdown:
+        print("\n" + markdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

@@ -1,0 +1,123 @@
+"""Checkpoints across world sizes and sharding types: real torchrun jobs (gloo, CPU).
+
+One save job (2 ranks, KV tables row-wise; it ends by killing rank 0 in the
+middle of a second save), then loads of its checkpoint at 3 ranks row-wise, 2
+ranks table-wise (each also re-saves and loads into the other sharding type)
+and 1 process unsharded (in this process). The jobs write their figures to
+JSON (see ``ckpt_worker.py``); the assertions are here.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.checkpoint import ckpt_worker
+from torchrec_kvemb import checkpoint
+
+WORKER = Path(__file__).with_name("ckpt_worker.py")
+
+
+def torchrun(world_size: int, *args: str) -> subprocess.CompletedProcess:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={world_size}",
+        str(WORKER),
+        *args,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+
+
+def read_result(path: Path, job: subprocess.CompletedProcess) -> dict:
+    if not path.exists():
+        pytest.fail(f"the job wrote no result (exit {job.returncode}):\n{job.stderr[-6000:]}")
+    result = json.loads(path.read_text())
+    print(json.dumps(result, indent=1, sort_keys=True))
+    return result
+
+
+def assert_passed(result: dict) -> None:
+    assert "error" not in result, result["error"]
+    failed = [name for name, ok in result["checks"].items() if not ok]
+    assert not failed, failed
+    too_far = {k: v for k, v in result["max_abs_diff"].items() if v > ckpt_worker.TOL}
+    assert not too_far, too_far
+    assert result["passed"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """The save job's directory: ``ckpt`` (complete), ``killed`` (rank 0 killed
+    before the marker), ``expected.pt``, ``save.json``."""
+    directory = tmp_path_factory.mktemp("ckpt")
+    job = torchrun(2, "save", str(directory))
+    result = read_result(directory / "save.json", job)
+    assert_passed(result)
+    # The job ends with rank 0 SIGKILLed in the middle of the second save.
+    assert job.returncode != 0
+    return directory
+
+
+def test_save_at_two_ranks_row_wise(saved):
+    marker = checkpoint.read_marker(saved / "ckpt")
+    assert marker["world_size"] == 2
+    tables = marker["tables"]
+    assert set(tables) == set(ckpt_worker.KV_TABLES)
+    assert tables["ebc.embedding_bags.user"]["optimizer"] == "rowwise_adagrad"
+    assert tables["kv.embedding_bags.item"]["optimizer"] == "adam"
+    assert {t["sharding"] for t in tables.values()} == {"row_wise"}
+    assert marker["fingerprint"] == checkpoint.fingerprint(tables)
+
+
+def test_rank_killed_mid_save_leaves_an_incomplete_checkpoint(saved):
+    killed = saved / "killed"
+    # Every rank's data files and DCP's metadata are there; the marker is not.
+    assert (killed / ".metadata").exists()
+    assert {p.name.split("_")[2] for p in killed.glob("*.distcp")} == {"0", "1"}  # __<rank>_<n>
+    assert not (killed / checkpoint.MARKER).exists()
+    with pytest.raises(checkpoint.CheckpointError, match="incomplete"):
+        checkpoint.read_marker(killed)
+    assert not list(saved.glob("ckpt.tmp-*"))
+
+
+@pytest.mark.parametrize("world_size, sharding", [(3, "row_wise"), (2, "table_wise")])
+def test_load_at_another_world_size_and_sharding(saved, world_size, sharding):
+    job = torchrun(world_size, "load", str(saved), sharding)
+    result = read_result(saved / f"load_{world_size}_{sharding}.json", job)
+    assert_passed(result)
+    assert result["world_size"] == world_size
+    checks = result["checks"]
+    for check in (
+        "incomplete checkpoint refused",
+        "other dim refused",
+        "loaded: stock rows",
+        "loaded: stock momentum",
+        "loaded: optimizer exp_avg",
+        "resharded: stock rows",
+        "user planned " + sharding,
+        "item planned " + sharding,
+        "export_dense: stored rows",
+        "export_dense: initial rows",
+        "load_dense_into_kv: rows",
+    ):
+        assert check in checks
+    if sharding == "table_wise":
+        assert "other optimizer refused" in checks
+    assert any(c.startswith("loaded: ebc.embedding_bags.user momentum1") for c in checks)
+    assert any(c.startswith("resharded: kv.embedding_bags.item exp_avg") for c in checks)
+    assert job.returncode == 0, job.stderr[-6000:]
+
+
+def test_load_unsharded(saved):
+    result = ckpt_worker.load_job(str(saved), None)
+    print(json.dumps(result, indent=1, sort_keys=True))
+    assert_passed(result)
+    assert "other optimizer refused" in result["checks"]
+    assert "continued: outputs" in result["max_abs_diff"]

@@ -1,0 +1,101 @@
+"""What a table will use: memory (in-memory rows and the SSD tier's index) and disk.
+
+The in-memory part is sized by ``capacity`` or ``memory_budget_bytes``
+(:func:`torchrec_kvemb.table.resolve_capacity`); the SSD tier adds, in memory,
+24 bytes per index slot (key, score, record number) and 17 bytes per slab
+record (free list, write generation, durable flag), and on disk one record per
+row plus the slack copy-on-write needs: the rows freed since the last flush
+(up to a quarter of the file before the table flushes by itself) and the
+in-memory rows written by the last flush and the one in progress. So the slab
+holds up to about ``1.5 * (ssd_rows + 2 * memory_rows)`` records.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torchrec_kvemb import table as kv_table
+from torchrec_kvemb.optimizer import FusedOptimConfig
+from torchrec_kvemb.options import WAYS, KVTableOptions
+from torchrec_kvemb.ssd.slab import HEADER_BYTES, record_words
+from torchrec_kvemb.ssd.tier import (
+    BOOKKEEPING_BYTES_PER_RECORD,
+    INDEX_BYTES_PER_SLOT,
+    INITIAL_BUCKETS,
+    MAX_LOAD,
+)
+
+#: Slab records per row the tier may need (see the module docstring).
+SLAB_SLACK = 1.5
+#: Bytes per row of the index file a flush writes (id, score, record; 16 for memory rows).
+INDEX_FILE_BYTES_PER_ROW = 24
+
+
+def _index_slots(options: KVTableOptions, ssd_rows: int) -> int:
+    if options.ssd.capacity is not None:
+        return math.ceil(options.ssd.capacity / WAYS) * WAYS
+    buckets = INITIAL_BUCKETS
+    while ssd_rows > MAX_LOAD * buckets * WAYS:
+        buckets *= 2
+    return buckets * WAYS
+
+
+def storage_estimate(
+    options: KVTableOptions,
+    dim: int,
+    optim: FusedOptimConfig | None = None,
+    ssd_rows: int | None = None,
+) -> dict[str, int]:
+    """Memory and disk one table (or shard) built from ``options`` will use.
+
+    ``ssd_rows``: rows expected in the SSD tier; default ``options.ssd.capacity``
+    (needed when the tier has no capacity). Returns ``memory_bytes``,
+    ``disk_bytes``, and the figures behind them: ``memory_rows`` (in-memory
+    capacity), ``ssd_rows``, ``record_bytes``, ``slab_records``.
+
+    Example::
+
+        storage_estimate(
+            KVTableOptions(memory_budget_bytes=2**30, ssd=SSDOptions("/mnt/ssd", 50_000_000)),
+            dim=64,
+            optim=FusedOptimConfig(),
+        )   # {"memory_bytes": ..., "disk_bytes": ..., ...}
+    """
+    optim = optim or FusedOptimConfig()
+    state_dim = optim.state_dim(dim)
+    memory_rows = kv_table.resolve_capacity(options, dim, state_dim)
+    memory = memory_rows * kv_table.bytes_per_row(dim, state_dim)
+    if options.admission_threshold > 1:
+        counted = options.admission_counter_capacity or memory_rows
+        memory += math.ceil(counted / WAYS) * WAYS * kv_table.COUNTER_BYTES_PER_ID
+    record_bytes = 8 * record_words(dim, state_dim)
+    out = {
+        "memory_bytes": memory,
+        "disk_bytes": 0,
+        "memory_rows": memory_rows,
+        "ssd_rows": 0,
+        "record_bytes": record_bytes,
+        "slab_records": 0,
+    }
+    if options.ssd is None:
+        return out
+    if ssd_rows is None:
+        ssd_rows = options.ssd.capacity
+    if ssd_rows is None:
+        raise ValueError(
+            "storage_estimate: the SSD tier has no capacity; give ssd_rows (rows expected there)"
+        )
+    if options.ssd.capacity is not None:
+        ssd_rows = min(ssd_rows, options.ssd.capacity)
+    records = math.ceil(SLAB_SLACK * (ssd_rows + 2 * memory_rows))
+    out.update(
+        memory_bytes=memory
+        + _index_slots(options, ssd_rows) * INDEX_BYTES_PER_SLOT
+        + records * BOOKKEEPING_BYTES_PER_RECORD,
+        disk_bytes=HEADER_BYTES
+        + records * record_bytes
+        + (ssd_rows + memory_rows) * INDEX_FILE_BYTES_PER_ROW,
+        ssd_rows=ssd_rows,
+        slab_records=records,
+    )
+    return out
