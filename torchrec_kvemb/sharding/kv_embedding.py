@@ -124,10 +124,10 @@ class KVFusedOptimizer(FusedOptimizer):
         return float(self.param_groups[0]["lr"])
 
     def step(self, closure: Any = None) -> None:
-        pass
+        """Nothing to do: the KV rows were updated inside backward."""
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        pass
+        """Nothing to do: KV tables never hold a ``.grad``."""
 
 
 def _state_views(table: KVTable) -> dict[str, torch.Tensor]:
