@@ -187,6 +187,12 @@ def machine_summary() -> str:
     )
 
 
+def machine_line(load: tuple[float, float]) -> str:
+    """``machine_summary()`` and the load average at the start and end of a run."""
+    start, end = load
+    return f"{machine_summary()}; load average {start:.2f} at start, {end:.2f} at end"
+
+
 def profile_functions(
     fn: Callable[[int], object], calls: int, package: str, limit: int = 25
 ) -> str:

@@ -59,6 +59,7 @@ from benchmarks.common import (
     ZipfIds,
     format_table,
     load_average,
+    machine_line,
     machine_summary,
     markdown_table,
     profile_functions,
@@ -497,15 +498,10 @@ def steady_line(result: BenchResult) -> str:
     )
 
 
-def machine_line(result: BenchResult) -> str:
-    start, end = result.load
-    return f"{machine_summary()}; load average {start:.2f} at start, {end:.2f} at end"
-
-
 def report(result: BenchResult) -> str:
     return "\n\n".join(
         [
-            describe(result.config) + "\n" + machine_line(result),
+            describe(result.config) + "\n" + machine_line(result.load),
             format_table(RESULT_HEADERS, result_rows(result)),
             format_table(RATIO_HEADERS, ratio_rows(result)),
             steady_line(result),
@@ -519,7 +515,7 @@ def write_report(result: BenchResult, path: str, command: str) -> None:
         "KV EBC train/eval vs FBGEMM TBE and TorchRec MCH (CPU)",
         [
             f"`{command}`",
-            describe(result.config) + ".  \n" + machine_line(result) + ".",
+            describe(result.config) + ".  \n" + machine_line(result.load) + ".",
             markdown_table(RESULT_HEADERS, result_rows(result)),
             markdown_table(RATIO_HEADERS, ratio_rows(result)),
             steady_line(result) + ".",

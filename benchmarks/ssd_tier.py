@@ -52,6 +52,7 @@ from benchmarks.common import (
     ZipfIds,
     format_table,
     load_average,
+    machine_line,
     machine_summary,
     markdown_table,
     profile_functions,
@@ -422,11 +423,6 @@ def cache_line(result: BenchResult) -> str:
     )
 
 
-def machine_line(result: BenchResult) -> str:
-    start, end = result.load
-    return f"{machine_summary()}; load average {start:.2f} at start, {end:.2f} at end"
-
-
 def promotion_note(result: BenchResult) -> str:
     c = result.config
     return (
@@ -440,7 +436,7 @@ def promotion_note(result: BenchResult) -> str:
 def report(result: BenchResult) -> str:
     return "\n\n".join(
         [
-            describe(result) + "\n" + machine_line(result),
+            describe(result) + "\n" + machine_line(result.load),
             format_table(TRAIN_HEADERS, train_rows(result)),
             target_line(result),
             cache_line(result),
@@ -456,7 +452,7 @@ def write_report(result: BenchResult, path: str, command: str) -> None:
         "SSD tier: a tenth of the ids in memory (CPU)",
         [
             f"`{command}`",
-            describe(result) + ".  \n" + machine_line(result) + ".",
+            describe(result) + ".  \n" + machine_line(result.load) + ".",
             markdown_table(TRAIN_HEADERS, train_rows(result)),
             target_line(result) + ".",
             cache_line(result) + ".",
