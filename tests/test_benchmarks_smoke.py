@@ -63,3 +63,12 @@ def test_tables_format() -> None:
     text = format_table(("a", "b"), [("x", 1), ("yy", 22)])
     assert text.splitlines()[2] == "x    1"
     assert markdown_table(("a", "b"), [("x", 1)]).splitlines()[1] == "|:---|---:|"
+
+
+def test_ssd_tier_benchmark_runs(tmp_path: Path) -> None:
+    from benchmarks import ssd_tier
+
+    result = ssd_tier.main(["--quick", "--dir", str(tmp_path)])
+    assert all(r.ids_per_s > 0 for r in result.train)
+    assert all(r.rate > 0 for r in result.promotion + result.disk)
+    assert result.cache["ssd_rows"] > 0
