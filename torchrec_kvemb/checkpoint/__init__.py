@@ -78,10 +78,17 @@ from torchrec_kvemb.checkpoint.state import (
 
 __all__ = [
     "MARKER",
+    "CallableSink",
     "CheckpointError",
+    "EmbeddingStreamer",
+    "FileSink",
+    "IncrementalDumper",
     "ParallelFileSystemReader",
+    "apply_dumps",
+    "dump_incremental",
     "fingerprint",
     "load",
+    "load_dumps_into",
     "read_marker",
     "save",
 ]
@@ -652,3 +659,16 @@ def _agree(error: Exception | None, group) -> None:
         raise CheckpointError(message) from error
     if errors:
         raise CheckpointError(errors[0])
+
+
+from torchrec_kvemb.checkpoint.incremental import (  # noqa: E402
+    IncrementalDumper,
+    apply_dumps,
+    dump_incremental,
+    load_dumps_into,
+)
+from torchrec_kvemb.checkpoint.streaming import (  # noqa: E402
+    CallableSink,
+    EmbeddingStreamer,
+    FileSink,
+)
