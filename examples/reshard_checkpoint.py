@@ -1,0 +1,273 @@
+"""Reshard a checkpoint of ``examples/train_dlrm.py`` to another world size or KV sharding.
+
+What it does
+------------
+Reads the run's flags from ``WORKDIR/eval_sharded.pt`` (written by
+``train_dlrm.py``), builds the same DLRM on the meta device, shards it with
+``DistributedModelParallel`` at the launcher's world size, optionally pinning
+every KV table to one sharding type (``--sharding``, through the planner's
+``ParameterConstraints``), and ``checkpoint.load``s ``WORKDIR/ckpt`` into it
+(model and dense Adagrad state). Then it
+
+1. prints, per KV table, the rows the checkpoint holds and the rows the
+   resharded model holds (summed over ranks, from its collective
+   ``state_dict()``); exit status 1 if they differ;
+2. evaluates the run's held-out batches (when the global batch splits evenly
+   over the new ranks) and compares the predictions with those of the
+   sharded training run (``eval_sharded.pt``); exit status 1 if they differ
+   by more than 1e-5 (1e-3 when trained on CUDA);
+3. saves the resharded model to ``--out`` with ``checkpoint.save``.
+
+The model, data and options come from ``train_dlrm.py`` itself (imported).
+
+How to run
+----------
+::
+
+    python examples/train_dlrm.py --workdir demo_out                 # 2 ranks
+    torchrun --standalone --nproc_per_node 1 examples/reshard_checkpoint.py \\
+        --workdir demo_out --out demo_out/ckpt_ws1
+    torchrun --standalone --nproc_per_node 3 examples/reshard_checkpoint.py \\
+        --workdir demo_out --sharding table_wise --out demo_out/ckpt_tw3
+    python examples/reshard_checkpoint.py --world-size 3 --workdir demo_out  # starts torchrun
+
+Flags
+-----
+--workdir DIR        the training run's directory (eval_sharded.pt, ckpt/); default demo_out
+--ckpt PATH          the checkpoint to read (default WORKDIR/ckpt)
+--out PATH           where to save the resharded checkpoint (default WORKDIR/ckpt_resharded)
+--sharding S         row_wise | table_wise: every KV table's sharding type (default: the
+                     planner's choice)
+--world-size W       processes to start when run without torchrun (default 1)
+--headroom H         KV capacity multiple of the resharded tables (default 4, as the
+                     world-size-1 reload of train_dlrm.py: rehashed rows need room)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torchrec import EmbeddingBagCollection
+from torchrec.datasets.utils import Batch
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import train_dlrm as td  # noqa: E402
+
+from torchrec_kvemb import KVEmbeddingBagCollectionSharder  # noqa: E402
+
+
+def saved_run(workdir: str) -> tuple[argparse.Namespace, dict]:
+    """The training run's flags and its sharded evaluation."""
+    path = os.path.join(workdir, td.EVAL_FILE)
+    if not os.path.exists(path):
+        raise SystemExit(f"{workdir}: no {td.EVAL_FILE}; run examples/train_dlrm.py first")
+    saved = torch.load(path, weights_only=False)
+    return argparse.Namespace(**saved["args"]), saved
+
+
+def saved_row_counts(ckpt: str, tables: list[str]) -> dict[str, int]:
+    """Rows per KV table in the checkpoint (the length of its ``weight_id`` entry)."""
+    metadata = td.kv_checkpoint.ParallelFileSystemReader(ckpt).read_metadata()
+    out = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        for name in tables:
+            if key.endswith(f"embedding_bags.{name}.weight_id"):
+                out[name] = int(meta.size[0])
+    return out
+
+
+def model_row_counts(model: torch.nn.Module, tables: list[str]) -> dict[str, int]:
+    """Rows per KV table in the (sharded) model, over all ranks; a collective."""
+    out = {}
+    for key, value in model.state_dict().items():
+        for name in tables:
+            if key.endswith(f"embedding_bags.{name}.weight_id"):
+                out[name] = int(value.size(0) if isinstance(value, ShardedTensor) else len(value))
+    return out
+
+
+def slice_batch(batch: Batch, start: int, end: int) -> Batch:
+    """Samples ``[start, end)`` of a batch."""
+    jts = batch.sparse_features.to_dict()
+    keys = batch.sparse_features.keys()
+    values, lengths = [], []
+    for key in keys:
+        jt = jts[key]
+        offsets = jt.offsets()
+        values.append(jt.values()[int(offsets[start]) : int(offsets[end])])
+        lengths.append(jt.lengths()[start:end])
+    return Batch(
+        dense_features=batch.dense_features[start:end],
+        sparse_features=KeyedJaggedTensor.from_lengths_sync(
+            keys=keys, values=torch.cat(values), lengths=torch.cat(lengths)
+        ),
+        labels=batch.labels[start:end],
+    )
+
+
+def check_predictions(
+    model: DistributedModelParallel,
+    run: argparse.Namespace,
+    saved: dict,
+    rank: int,
+    world: int,
+    device: torch.device,
+) -> bool | None:
+    """The held-out predictions of the resharded model against the training run's:
+    every global held-out batch is cut into ``world`` equal parts, one per rank.
+    None when the batch does not split evenly."""
+    data = td.Data(run, td.table_sizes(run))
+    batches = data.held_out_global(saved["world_size"])
+    size = batches[0].labels.numel()
+    if size % world:
+        td.say(rank, f"prediction check SKIPPED: {size} samples per batch, {world} ranks")
+        return None
+    part = size // world
+    model.eval()
+    logits = []
+    with torch.no_grad():
+        for batch in batches:
+            mine = slice_batch(batch, rank * part, (rank + 1) * part).to(device)
+            _, (_, local, _) = model(mine)
+            parts = [torch.empty_like(local) for _ in range(world)]
+            dist.all_gather(parts, local.contiguous())
+            logits.append(torch.cat(parts).cpu())
+    logits_t = torch.cat(logits)
+    diff = float((torch.sigmoid(logits_t) - torch.sigmoid(saved["logits"])).abs().max())
+    tol = 1e-3 if saved.get("device") == "cuda" else 1e-5
+    ok = diff <= tol
+    td.say(
+        rank,
+        f"held-out predictions {'MATCH' if ok else 'MISMATCH'} the training run's "
+        f"(max abs diff {diff:.2e}, tolerance {tol:g}, {logits_t.numel()} samples)",
+    )
+    return ok
+
+
+def reshard(args: argparse.Namespace) -> None:
+    rank, world, device = td.setup_process_group()
+    workdir = os.path.abspath(args.workdir)
+    ckpt = os.path.abspath(args.ckpt or os.path.join(workdir, td.CKPT))
+    out = os.path.abspath(args.out or os.path.join(workdir, "ckpt_resharded"))
+    run, saved = saved_run(workdir)
+    if td.kv_checkpoint is None:
+        raise SystemExit(f"torchrec_kvemb.checkpoint unavailable ({td.CHECKPOINT_MISSING})")
+    marker = td.kv_checkpoint.read_marker(ckpt)
+    td.say(
+        rank,
+        f"reshard_checkpoint: {td.shown(ckpt)} (saved by {marker['world_size']} ranks) -> "
+        f"{world} ranks ({dist.get_backend()}), KV sharding {args.sharding or 'planner'}",
+    )
+
+    started = time.perf_counter()
+    ssd_dir = os.path.join(workdir, "ssd_reshard") if run.ssd else None
+    options = td.kv_options(run, ssd_dir, headroom=args.headroom)
+    ebc = EmbeddingBagCollection(td.table_configs(run), device=torch.device("meta"))
+    model = td.build_dlrm(ebc, run, device)
+    sharder = KVEmbeddingBagCollectionSharder(options, fused_params=td.fused_params(run))
+    constraints = (
+        {name: ParameterConstraints(sharding_types=[args.sharding]) for name in options}
+        if args.sharding
+        else None
+    )
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world, compute_device=device.type),
+        constraints=constraints,
+    )
+    plan = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
+    model = DistributedModelParallel(model, device=device, sharders=[sharder], plan=plan)
+    dense_params = [p for _, p in in_backward_optimizer_filter(model.named_parameters())]
+    optimizer = torch.optim.Adagrad(dense_params, lr=run.lr, eps=1e-8)
+    td.say(rank, td.plan_summary(model, options, time.perf_counter() - started))
+
+    started = time.perf_counter()
+    try:
+        td.kv_checkpoint.load(model, ckpt, optimizer=optimizer)
+        what = "model and dense optimizer"
+    except td.kv_checkpoint.CheckpointError as e:
+        # The dense optimizer covers the data-parallel stock tables too, and the
+        # planner may pick others at this world size; a failed load changes nothing.
+        if "optimizer" not in str(e):
+            raise
+        optimizer = None
+        td.kv_checkpoint.load(model, ckpt)
+        what = "model (the dense optimizer's parameters differ at this plan: not carried)"
+    td.say(rank, f"loaded {td.shown(ckpt)}: {what}, {time.perf_counter() - started:.1f} s")
+
+    tables = sorted(options)
+    before = saved_row_counts(ckpt, tables)
+    after = model_row_counts(model, tables)
+    sharding = {t: ps.sharding_type for mp in model.plan.plan.values() for t, ps in mp.items()}
+    rows_ok = True
+    for name in tables:
+        same = before.get(name) == after.get(name)
+        rows_ok &= same
+        td.say(
+            rank,
+            f"table {name}: {before.get(name)} rows saved, {after.get(name)} rows loaded "
+            f"({sharding.get(name)} over {world} ranks) {'OK' if same else 'DIFFER'}",
+        )
+    td.say(rank, "ROW COUNTS MATCH" if rows_ok else "ROW COUNTS DIFFER")
+    predictions_ok = check_predictions(model, run, saved, rank, world, device)
+
+    started = time.perf_counter()
+    td.kv_checkpoint.save(model, out, optimizer=optimizer)
+    written = td.kv_checkpoint.read_marker(out)
+    td.say(
+        rank,
+        f"resharded checkpoint saved: {td.shown(out)} ({written['world_size']} ranks, "
+        f"{td.directory_bytes(out) / 2**20:.1f} MiB, {time.perf_counter() - started:.1f} s)",
+    )
+    dist.barrier()
+    dist.destroy_process_group()
+    if not rows_ok or predictions_ok is False:
+        raise SystemExit(1)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Reshard a train_dlrm.py checkpoint (see the module docstring).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--workdir", default="demo_out", help="the training run's directory")
+    p.add_argument("--ckpt", default=None, help="checkpoint to read (default WORKDIR/ckpt)")
+    p.add_argument("--out", default=None, help="output (default WORKDIR/ckpt_resharded)")
+    p.add_argument("--sharding", choices=["row_wise", "table_wise"], default=None)
+    p.add_argument("--world-size", type=int, default=None, help="processes without torchrun")
+    p.add_argument("--headroom", type=int, default=td.RELOAD_HEADROOM, help="capacity multiple")
+    args = p.parse_args(argv)
+    if args.headroom < 1:
+        p.error("--headroom must be >= 1")
+    return args
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    args = parse_args()
+    if "RANK" not in os.environ:
+        from torch.distributed.run import main as torchrun
+
+        world = args.world_size or 1
+        torchrun(
+            ["--standalone", f"--nproc_per_node={world}", os.path.abspath(__file__)] + sys.argv[1:]
+        )
+        return
+    reshard(args)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

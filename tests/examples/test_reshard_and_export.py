@@ -1,0 +1,68 @@
+"""examples/reshard_checkpoint.py and examples/export_for_inference.py end to end.
+
+One tiny training run of examples/train_dlrm.py (2 ranks, gloo) writes a
+checkpoint; it is resharded to world size 1 with table-wise KV tables, and the
+resharded checkpoint is exported for inference with dense KV exports.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.examples.test_train_dlrm import TINY, checkpoint_available, run_job
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+KV_TABLES = ("t_cat_0", "t_cat_9", "t_cat_19", "t_cat_21")  # the 4 largest features
+
+
+@pytest.mark.skipif(not checkpoint_available(), reason="torchrec_kvemb.checkpoint unavailable")
+def test_reshard_then_export(tmp_path):
+    workdir = tmp_path / "demo"
+    run_job([
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        str(EXAMPLES / "train_dlrm.py"), "--workdir", str(workdir), "--steps", "4", *TINY,
+    ])  # fmt: skip
+    assert (workdir / "ckpt" / "COMPLETE").exists()
+
+    resharded = tmp_path / "ckpt_ws1"
+    job = run_job([
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+        str(EXAMPLES / "reshard_checkpoint.py"), "--workdir", str(workdir),
+        "--sharding", "table_wise", "--out", str(resharded),
+    ])  # fmt: skip
+    out = job.stdout
+    assert "(saved by 2 ranks) -> 1 ranks" in out
+    for name in KV_TABLES:
+        line = next(x for x in out.splitlines() if x.startswith(f"table {name}:"))
+        saved, loaded = line.split(": ")[1].split(" rows saved, ")
+        assert int(saved) == int(loaded.split(" rows loaded")[0]) > 0, line
+        assert "(table_wise over 1 ranks) OK" in line
+    assert "ROW COUNTS MATCH" in out
+    assert "held-out predictions MATCH the training run's" in out
+    assert "resharded checkpoint saved:" in out
+    assert (resharded / "COMPLETE").exists()
+
+    bundle_path = tmp_path / "inference.pt"
+    job = run_job([
+        sys.executable, str(EXAMPLES / "export_for_inference.py"), "--workdir", str(workdir),
+        "--ckpt", str(resharded), "--out", str(bundle_path), "--dense-rows", "64",
+        "--batches", "2", "--batch-size", "4",
+    ])  # fmt: skip
+    out = job.stdout
+    assert "(saved by 1 ranks) into a read-only unsharded DLRM" in out
+    assert "held-out predictions MATCH the training run's" in out
+    assert "inference bundle saved:" in out
+    predictions = [x for x in out.splitlines() if x.startswith("batch ")]
+    assert len(predictions) == 2
+    for line in predictions:
+        probs = [float(p) for p in line.split("predictions ")[1].split()]
+        assert len(probs) == 4 and all(0.0 < p < 1.0 for p in probs)
+
+    bundle = torch.load(bundle_path, weights_only=False)
+    assert sorted(bundle["kv_tables"]) == sorted(KV_TABLES)
+    assert len(bundle["table_configs"]) == 26
+    for name in KV_TABLES:
+        assert bundle["dense_kv_weights"][name].shape == (64, 16)
+        assert any(k.endswith(f"embedding_bags.{name}.weight_id") for k in bundle["state_dict"])
