@@ -66,3 +66,37 @@ def test_reshard_then_export(tmp_path):
     for name in KV_TABLES:
         assert bundle["dense_kv_weights"][name].shape == (64, 16)
         assert any(k.endswith(f"embedding_bags.{name}.weight_id") for k in bundle["state_dict"])
+
+
+def _reshard(workdir: Path, ckpt: Path | None, out: Path, world: int, sharding: str) -> str:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={world}", str(EXAMPLES / "reshard_checkpoint.py"),
+        "--workdir", str(workdir), "--sharding", sharding, "--out", str(out),
+    ]  # fmt: skip
+    if ckpt is not None:
+        command += ["--ckpt", str(ckpt)]
+    out_text = run_job(command).stdout
+    assert "ROW COUNTS MATCH" in out_text, out_text
+    assert (out / "COMPLETE").exists()
+    return out_text
+
+
+@pytest.mark.skipif(not checkpoint_available(), reason="torchrec_kvemb.checkpoint unavailable")
+def test_reshard_chain_2_to_3_to_2_and_1_to_2(tmp_path):
+    """2 ranks -> 3 table-wise -> 2 row-wise, and 2 -> 1 -> 2: rows and predictions hold."""
+    workdir = tmp_path / "demo"
+    run_job([
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        str(EXAMPLES / "train_dlrm.py"), "--workdir", str(workdir), "--steps", "4", *TINY,
+    ])  # fmt: skip
+    three = _reshard(workdir, None, tmp_path / "ws3", 3, "table_wise")
+    assert "(saved by 2 ranks) -> 3 ranks" in three
+    back = _reshard(workdir, tmp_path / "ws3", tmp_path / "ws3to2", 2, "row_wise")
+    assert "(saved by 3 ranks) -> 2 ranks" in back
+    assert "held-out predictions MATCH the training run's" in back
+    one = _reshard(workdir, None, tmp_path / "ws1", 1, "row_wise")
+    assert "held-out predictions MATCH the training run's" in one
+    up = _reshard(workdir, tmp_path / "ws1", tmp_path / "ws1to2", 2, "row_wise")
+    assert "(saved by 1 ranks) -> 2 ranks" in up
+    assert "held-out predictions MATCH the training run's" in up

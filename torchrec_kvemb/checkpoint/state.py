@@ -677,14 +677,20 @@ def _sharded_tensor(
 ) -> ShardedTensor:
     """A ShardedTensor of ``sum(counts)`` rows, rank ``r`` holding ``counts[r]`` of them
     at offset ``sum(counts[:r])`` (zero-row shards included: DCP and ShardedTensor
-    need every rank's shard, and a table may be empty)."""
+    need every rank's shard, and a table may be empty).
+
+    Zero-row shards sit at the end offset: DCP keys a saved chunk by (name, offset),
+    so an empty shard at a real shard's offset could replace it in the save plan.
+    """
+    total = sum(counts)
     shards_md = []
     offset = 0
     for rank, n in enumerate(counts):
-        shards_md.append(ShardMetadata([offset] + [0] * len(tail), [n, *tail], placements[rank]))
+        at = offset if n else total
+        shards_md.append(ShardMetadata([at] + [0] * len(tail), [n, *tail], placements[rank]))
         offset += n
     metadata = ShardedTensorMetadata(
-        shards_md, torch.Size([offset, *tail]), TensorProperties(dtype=dtype)
+        shards_md, torch.Size([total, *tail]), TensorProperties(dtype=dtype)
     )
     if value is None:
         device = placements[me].split("/", 1)[1]
