@@ -49,7 +49,7 @@ demo: install
 	echo "make demo: done in $$(( $$(date +%s) - start )) s (outputs in $(DEMO_DIR)/)"
 
 bench: install
-	OMP_NUM_THREADS=2 $(BIN)/python -m benchmarks.ebc_train
+	OMP_NUM_THREADS=2 $(BIN)/python -m benchmarks.run
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,338 @@
+"""The whole benchmark suite in one command: one table of ratios, a markdown file, plots.
+
+Runs, in turn, each benchmark module's ``main``:
+
+* ``ebc``: KV EBC train/eval vs FBGEMM's TBE and TorchRec's MCH (``benchmarks.ebc_train``);
+* ``dist``: distributed train step, KV row-wise vs stock table-wise
+  (``benchmarks.dist_train``, which launches its own ``torchrun`` job);
+* ``ssd``: a tenth of the ids in memory with the SSD tier vs all in memory
+  (``benchmarks.ssd_tier``);
+* ``checkpoint``: checkpoint save/load vs the disk's sequential rates
+  (``benchmarks.checkpoint``).
+
+It collects each one's headline ratios and targets into one table, prints it
+at the end, and writes ``<out-dir>/benchmark-results.md`` (the table, the
+machine, the date, the command) and bar plots in ``<out-dir>/plots/``.
+
+Run from the repository root::
+
+    python -m benchmarks.run                       # full sizes, writes docs/
+    python -m benchmarks.run --quick --out-dir /tmp/bench
+    python -m benchmarks.run --only ebc,ssd
+
+``--gpu`` runs the EBC benchmark with the Triton backend on a CUDA device; it
+needs a CUDA device (exit status 2 without one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.common import format_table, machine_summary, markdown_table
+
+BENCHMARKS = ("ebc", "dist", "ssd", "checkpoint")
+RESULTS_FILE = "benchmark-results.md"
+HEADERS = ("benchmark", "ratio", "KV", "baseline", "value", "target", "")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One headline ratio: ``kv`` over ``baseline`` (both in ``unit``), and its target."""
+
+    benchmark: str
+    what: str
+    kv: float
+    baseline: float
+    unit: str
+    target: float | None  # None: reported, no target
+
+    @property
+    def ratio(self) -> float:
+        return self.kv / self.baseline if self.baseline > 0 else float("nan")
+
+    @property
+    def verdict(self) -> str:
+        if self.target is None:
+            return ""
+        return "met" if self.ratio >= self.target else "MISSED"
+
+    def cells(self) -> tuple[str, ...]:
+        return (
+            self.benchmark,
+            self.what,
+            _amount(self.kv, self.unit),
+            _amount(self.baseline, self.unit),
+            _times(self.ratio),
+            "-" if self.target is None else f">= {self.target:g}x",
+            self.verdict,
+        )
+
+
+def _times(value: float) -> str:
+    if math.isnan(value):
+        return "n/a"
+    # floor, so that a ratio printed as "0.50x" is never one that missed ">= 0.5x".
+    return f"{math.floor(100 * value) / 100:.2f}x"
+
+
+def _amount(value: float, unit: str) -> str:
+    return f"{value:.3f} {unit}" if value < 0.1 else f"{value:.2f} {unit}"
+
+
+# ------------------------------------------------------------ the benchmarks
+def run_ebc(quick: bool, extra: Sequence[str] = ()) -> tuple[list[Row], object]:
+    from benchmarks import ebc_train
+
+    result = ebc_train.main([*(["--quick"] if quick else []), "--no-spread", *extra])
+    rows = []
+    for target in ebc_train.TARGETS:
+        kv = result.get(ebc_train.KV, target.mode).ids_per_s / 1e6
+        base = result.get(target.baseline, target.mode).ids_per_s / 1e6
+        what = f"KV / {target.baseline} {target.mode}"
+        rows.append(Row("ebc", what, kv, base, "M ids/s", target.minimum))
+    return rows, result
+
+
+def run_dist(quick: bool) -> tuple[list[Row], object]:
+    from benchmarks import dist_train
+
+    result = dist_train.main(["--quick"] if quick else [])
+    base = result.get(dist_train.TBE).ids_per_s / 1e6
+    rows = [
+        Row(
+            "dist",
+            f"{dist_train.KV} / {dist_train.TBE}",
+            result.get(dist_train.KV).ids_per_s / 1e6,
+            base,
+            "M ids/s",
+            dist_train.TARGET,
+        ),
+        Row(
+            "dist",
+            f"{dist_train.KV_TW} / {dist_train.TBE}",
+            result.get(dist_train.KV_TW).ids_per_s / 1e6,
+            base,
+            "M ids/s",
+            None,
+        ),
+    ]
+    return rows, result
+
+
+def run_ssd(quick: bool) -> tuple[list[Row], object]:
+    from benchmarks import ssd_tier
+
+    result = ssd_tier.main(["--quick"] if quick else [])
+    rates = {r.system: r.ids_per_s / 1e6 for r in result.train}
+    full = rates[ssd_tier.FULL]
+    rows = [
+        Row("ssd", f"{ssd_tier.SSD} / {ssd_tier.FULL}", rates[ssd_tier.SSD], full, "M ids/s",
+            ssd_tier.TARGET),
+    ]  # fmt: skip
+    if ssd_tier.NO_SSD in rates:
+        rows.append(
+            Row("ssd", f"{ssd_tier.NO_SSD} / {ssd_tier.FULL}", rates[ssd_tier.NO_SSD], full,
+                "M ids/s", None)
+        )  # fmt: skip
+    return rows, result
+
+
+def run_checkpoint(quick: bool) -> tuple[list[Row], object]:
+    from benchmarks import checkpoint
+
+    result = checkpoint.main(["--quick"] if quick else [])
+    rows = [
+        Row("checkpoint", f"{what} / {disk}", result.rate(what), result.rate(disk), "GB/s",
+            checkpoint.TARGET)
+        for what, disk in (("save", "disk write"), ("load", "disk read"))
+    ]  # fmt: skip
+    return rows, result
+
+
+RUNNERS: dict[str, Callable[[bool], tuple[list[Row], object]]] = {
+    "ebc": run_ebc,
+    "dist": run_dist,
+    "ssd": run_ssd,
+    "checkpoint": run_checkpoint,
+}
+
+
+# ------------------------------------------------------------------- plots
+def plot_ratios(rows: Sequence[Row], path: Path) -> Path:
+    """A bar per ratio, the target as a marker line across its bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"ebc": "tab:blue", "dist": "tab:orange", "ssd": "tab:green", "checkpoint": "tab:red"}
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rows) + 2), 4.5))
+    xs = range(len(rows))
+    values = [0.0 if math.isnan(r.ratio) else r.ratio for r in rows]
+    ax.bar(xs, values, color=[colors.get(r.benchmark, "tab:gray") for r in rows])
+    labelled = False
+    for x, row in zip(xs, rows, strict=True):
+        if row.target is not None:
+            ax.hlines(row.target, x - 0.45, x + 0.45, colors="black", linestyles="--",
+                      label=None if labelled else "target")  # fmt: skip
+            labelled = True
+        ax.text(x, values[x], _times(row.ratio), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([f"{r.benchmark}\n{r.what}" for r in rows], rotation=30, ha="right",
+                       fontsize=7)  # fmt: skip
+    ax.set_ylabel("KV / baseline (x)")
+    ax.set_title("Headline ratios (bar) and targets (dashed)")
+    if labelled:
+        ax.legend(loc="upper right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_ebc_throughput(result, path: Path) -> Path:
+    """M ids/s per system, train and eval side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = list(dict.fromkeys(r.system for r in result.results))
+    modes = ("train", "eval")
+    width = 0.38
+    fig, ax = plt.subplots(figsize=(6.5, 4.0))
+    for i, mode in enumerate(modes):
+        values = [result.get(s, mode).ids_per_s / 1e6 for s in systems]
+        xs = [k + (i - 0.5) * width for k in range(len(systems))]
+        bars = ax.bar(xs, values, width, label=mode)
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax.set_xticks(range(len(systems)))
+    ax.set_xticklabels(systems)
+    ax.set_ylabel("M ids/s")
+    ax.set_title("EBC throughput per system")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------ report
+def write_results(
+    rows: Sequence[Row], out_dir: Path, command: str, plots: Sequence[Path], seconds: float
+) -> Path:
+    path = out_dir / RESULTS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Generated by `{command}` on {date} ({seconds:.0f} s).  ",
+        f"Machine: {machine_summary()}.",
+        "",
+        markdown_table(HEADERS, [r.cells() for r in rows]),
+        "",
+        "Ratio = KV's figure over the baseline's, from one run (systems take turns on "
+        "the same inputs; compare ratios, not absolute figures, across machines).",
+    ]
+    if plots:
+        lines += ["", "## Plots", ""]
+        lines += [f"![{p.stem}](plots/{p.name})" for p in plots]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# --------------------------------------------------------------------- CLI
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke-test sizes")
+    parser.add_argument(
+        "--only",
+        default=",".join(BENCHMARKS),
+        help=f"comma-separated subset of {','.join(BENCHMARKS)}",
+    )
+    parser.add_argument("--out-dir", default="docs", help="where the markdown and plots go")
+    parser.add_argument(
+        "--gpu", action="store_true", help="EBC benchmark with the Triton backend on CUDA"
+    )
+    args = parser.parse_args(argv)
+    chosen = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = sorted(set(chosen) - set(BENCHMARKS))
+    if unknown or not chosen:
+        parser.error(f"--only: unknown benchmark(s) {unknown}; choose from {BENCHMARKS}")
+    args.only = [name for name in BENCHMARKS if name in chosen]
+    return args
+
+
+def _ebc_has_device_flag() -> bool:
+    from benchmarks import ebc_train
+
+    try:
+        _, args = ebc_train.parse_args(["--device", "cuda"])
+    except SystemExit:
+        return False
+    return getattr(args, "device", None) == "cuda"
+
+
+def check_gpu() -> None:
+    """``--gpu``: exit 2 unless there is a CUDA device and the EBC benchmark can use it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print("benchmarks.run --gpu: a CUDA device is required (none found)", file=sys.stderr)
+        raise SystemExit(2)
+    if not _ebc_has_device_flag():
+        print(
+            "benchmarks.run --gpu: GPU mode needs a --device flag in benchmarks.ebc_train, "
+            "which it does not have",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+
+
+def main(argv: Sequence[str] | None = None) -> list[Row]:
+    args = parse_args(argv)
+    argv_list = list(sys.argv[1:] if argv is None else argv)
+    command = " ".join(["python -m benchmarks.run", *argv_list])
+    out_dir = Path(args.out_dir)
+    if args.gpu:
+        check_gpu()
+        os.environ["TORCHREC_KVEMB_BACKEND"] = "triton"
+
+    start = time.perf_counter()
+    rows: list[Row] = []
+    results: dict[str, object] = {}
+    for name in args.only:
+        print(f"\n=== {name} ===", flush=True)
+        if name == "ebc" and args.gpu:
+            new_rows, result = run_ebc(args.quick, ["--device", "cuda"])
+        else:
+            new_rows, result = RUNNERS[name](args.quick)
+        rows += new_rows
+        results[name] = result
+    seconds = time.perf_counter() - start
+
+    plots = [plot_ratios(rows, out_dir / "plots" / "ratios.png")]
+    if "ebc" in results:
+        plots.append(plot_ebc_throughput(results["ebc"], out_dir / "plots" / "ebc_throughput.png"))
+    path = write_results(rows, out_dir, command, plots, seconds)
+
+    print(f"\n=== summary ({seconds:.0f} s) ===")
+    print(machine_summary())
+    print(format_table(HEADERS, [r.cells() for r in rows]))
+    print(f"\nwrote {path} and {', '.join(str(p) for p in plots)}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

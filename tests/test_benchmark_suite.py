@@ -1,0 +1,53 @@
+"""The suite runner: quick sizes end to end, its markdown and plots; ``--gpu`` without CUDA."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import run
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[1:]]
+
+
+def test_quick_suite_writes_table_and_plots(tmp_path: Path) -> None:
+    rows = run.main(["--quick", "--only", "ebc,ssd,checkpoint", "--out-dir", str(tmp_path)])
+    assert {r.benchmark for r in rows} == {"ebc", "ssd", "checkpoint"}
+    assert all(r.kv > 0 and r.baseline > 0 and r.ratio > 0 for r in rows)
+
+    text = (tmp_path / run.RESULTS_FILE).read_text()
+    table = _table_rows(text)
+    assert len(table) == len(rows)
+    assert [cells[0] for cells in table] == [r.benchmark for r in rows]
+    for name in ("ebc", "ssd", "checkpoint"):
+        assert any(cells[0] == name for cells in table), name
+    assert not any(cells[0] == "dist" for cells in table)
+    assert "Machine: " in text and "python -m benchmarks.run --quick" in text
+
+    for name in ("ratios.png", "ebc_throughput.png"):
+        data = (tmp_path / "plots" / name).read_bytes()
+        assert data[:8] == PNG_MAGIC, name
+        assert len(data) > 5_000, name
+        assert f"plots/{name}" in text
+
+
+def test_only_rejects_unknown_benchmark(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exc:
+        run.main(["--only", "nope", "--out-dir", str(tmp_path)])
+    assert exc.value.code == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_gpu_without_cuda_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        run.main(["--gpu", "--quick", "--only", "ebc", "--out-dir", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "CUDA device is required" in err
+    assert not (tmp_path / run.RESULTS_FILE).exists()
