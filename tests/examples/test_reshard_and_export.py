@@ -8,16 +8,14 @@ resharded checkpoint is exported for inference with dense KV exports.
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
-from tests.examples.test_train_dlrm import TINY, checkpoint_available, run_job
+from tests.examples.test_train_dlrm import TINY, run_job
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 KV_TABLES = ("t_cat_0", "t_cat_9", "t_cat_19", "t_cat_21")  # the 4 largest features
 
 
-@pytest.mark.skipif(not checkpoint_available(), reason="torchrec_kvemb.checkpoint unavailable")
 def test_reshard_then_export(tmp_path):
     workdir = tmp_path / "demo"
     run_job([
@@ -82,7 +80,6 @@ def _reshard(workdir: Path, ckpt: Path | None, out: Path, world: int, sharding: 
     return out_text
 
 
-@pytest.mark.skipif(not checkpoint_available(), reason="torchrec_kvemb.checkpoint unavailable")
 def test_reshard_chain_2_to_3_to_2_and_1_to_2(tmp_path):
     """2 ranks -> 3 table-wise -> 2 row-wise, and 2 -> 1 -> 2: rows and predictions hold."""
     workdir = tmp_path / "demo"
