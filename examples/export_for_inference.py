@@ -53,10 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_dlrm as td  # noqa: E402
 from criteo_tsv import to_batch  # noqa: E402
 
-try:
-    from torchrec_kvemb.checkpoint.migrate import export_dense
-except Exception:  # the feature is not in this build
-    export_dense = None
+from torchrec_kvemb.checkpoint.migrate import export_dense  # noqa: E402
 
 #: Bundle format tag.
 BUNDLE_FORMAT = "torchrec_kvemb.examples.inference_bundle/1"
@@ -94,8 +91,6 @@ def export(args: argparse.Namespace) -> None:
     workdir = os.path.abspath(args.workdir)
     ckpt = os.path.abspath(args.ckpt or os.path.join(workdir, td.CKPT))
     out = os.path.abspath(args.out or os.path.join(workdir, "inference.pt"))
-    if td.kv_checkpoint is None:
-        raise SystemExit(f"torchrec_kvemb.checkpoint unavailable ({td.CHECKPOINT_MISSING})")
     path = os.path.join(workdir, td.EVAL_FILE)
     if not os.path.exists(path):
         raise SystemExit(f"{workdir}: no {td.EVAL_FILE}; run examples/train_dlrm.py first")
@@ -119,18 +114,15 @@ def export(args: argparse.Namespace) -> None:
 
     dense: dict[str, torch.Tensor] = {}
     if args.dense_rows:
-        if export_dense is None:
-            print("dense export SKIPPED: torchrec_kvemb.checkpoint.migrate unavailable")
-        else:
-            for name in kv_tables:
-                weight = export_dense(model, name, args.dense_rows, missing_as_zeros=True)
-                dense[name] = weight
-                held = int((weight != 0).any(dim=1).sum())
-                print(
-                    f"dense export {name}: {list(weight.shape)} ({held} of the ids below "
-                    f"{args.dense_rows} have a row)",
-                    flush=True,
-                )
+        for name in kv_tables:
+            weight = export_dense(model, name, args.dense_rows, missing_as_zeros=True)
+            dense[name] = weight
+            held = int((weight != 0).any(dim=1).sum())
+            print(
+                f"dense export {name}: {list(weight.shape)} ({held} of the ids below "
+                f"{args.dense_rows} have a row)",
+                flush=True,
+            )
 
     bundle = {
         "format": BUNDLE_FORMAT,

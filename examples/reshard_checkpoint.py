@@ -162,8 +162,6 @@ def reshard(args: argparse.Namespace) -> None:
     ckpt = os.path.abspath(args.ckpt or os.path.join(workdir, td.CKPT))
     out = os.path.abspath(args.out or os.path.join(workdir, "ckpt_resharded"))
     run, saved = saved_run(workdir)
-    if td.kv_checkpoint is None:
-        raise SystemExit(f"torchrec_kvemb.checkpoint unavailable ({td.CHECKPOINT_MISSING})")
     marker = td.kv_checkpoint.read_marker(ckpt)
     td.say(
         rank,

@@ -118,22 +118,8 @@ from torchrec_kvemb import (  # noqa: E402
     KVTableOptions,
     SSDOptions,
 )
+from torchrec_kvemb import checkpoint as kv_checkpoint  # noqa: E402
 from torchrec_kvemb.sharding import ShardedKVEmbeddingBagCollection  # noqa: E402
-
-try:
-    from torchrec_kvemb import checkpoint as kv_checkpoint
-
-    CHECKPOINT_MISSING = None
-except Exception as e:  # the feature is not in this build
-    kv_checkpoint = None
-    CHECKPOINT_MISSING = f"{type(e).__name__}: {e}"
-
-try:
-    import torchrec_kvemb.ssd  # noqa: F401
-
-    SSD_MISSING = None
-except Exception as e:
-    SSD_MISSING = f"{type(e).__name__}: {e}"
 
 #: Vocabulary sizes of the 26 categorical features: Criteo 1TB's, as in TorchRec's
 #: DLRM example (``--num_embeddings_per_feature``).
@@ -548,8 +534,6 @@ def train(args: argparse.Namespace) -> None:
     if args.world_size is not None and args.world_size != world:
         say(rank, f"note: --world-size {args.world_size} given, torchrun started {world}")
     say(rank, f"train_dlrm: {world} ranks ({dist.get_backend()}), device {device.type}")
-    if args.ssd is False and SSD_MISSING is not None:
-        say(rank, f"SSD tier unavailable ({SSD_MISSING}): no table on SSD")
 
     # Model: every table on meta; the sharder makes the KV ones KV tables.
     configs = table_configs(args)
@@ -606,20 +590,14 @@ def train(args: argparse.Namespace) -> None:
             os.path.join(workdir, EVAL_FILE),
         )
 
-    if kv_checkpoint is None:
-        say(
-            rank,
-            f"checkpoint SKIPPED: torchrec_kvemb.checkpoint unavailable ({CHECKPOINT_MISSING})",
-        )
-    else:
-        started = time.perf_counter()
-        path = os.path.join(workdir, CKPT)
-        kv_checkpoint.save(model, path, optimizer=optimizer)
-        say(
-            rank,
-            f"checkpoint saved: {shown(path)} ({directory_bytes(path) / 2**20:.1f} MiB, "
-            f"{time.perf_counter() - started:.1f} s)",
-        )
+    started = time.perf_counter()
+    path = os.path.join(workdir, CKPT)
+    kv_checkpoint.save(model, path, optimizer=optimizer)
+    say(
+        rank,
+        f"checkpoint saved: {shown(path)} ({directory_bytes(path) / 2**20:.1f} MiB, "
+        f"{time.perf_counter() - started:.1f} s)",
+    )
     dist.barrier()
     del pipeline, model, optimizer
     gc.collect()
@@ -703,14 +681,8 @@ def reload(args: argparse.Namespace) -> None:
     run = argparse.Namespace(**saved["args"])
     world = saved["world_size"]
     print(f"--- reload at world size 1 (the sharded run had {world} ranks) ---", flush=True)
-    if kv_checkpoint is None or not os.path.isdir(os.path.join(workdir, CKPT)):
-        why = CHECKPOINT_MISSING if kv_checkpoint is None else "no checkpoint was saved"
-        print(
-            f"checkpoint round trip SKIPPED: torchrec_kvemb.checkpoint unavailable ({why}); "
-            f"the sharded evaluation above is the result",
-            flush=True,
-        )
-        return
+    if not os.path.isdir(os.path.join(workdir, CKPT)):
+        raise SystemExit(f"{workdir}: no checkpoint {CKPT}; run the training first")
     torch.set_num_threads(os.cpu_count() or 1)
     started = time.perf_counter()
     device = torch.device("cpu")
@@ -797,7 +769,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--ssd",
         action=argparse.BooleanOptionalAction,
-        default=SSD_MISSING is None,
+        default=True,
         help="largest KV table on an SSD tier under WORKDIR/ssd",
     )
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches per rank")
@@ -815,8 +787,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--num-kv-tables 0 leaves no KV table; the sharder needs at least one")
     if args.id_space * args.embedding_dim >= 2**63:
         p.error("--id-space x --embedding-dim must stay below 2**63 (the meta EBC's size)")
-    if args.ssd and SSD_MISSING is not None:
-        p.error(f"--ssd: the SSD tier is unavailable ({SSD_MISSING})")
     for name in ("steps", "batch_size", "eval_batches", "kv_capacity", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
