@@ -5,31 +5,10 @@ import time
 
 import pytest
 import torch
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_kvemb import KVEmbeddingBagCollection, KVTableOptions
+from tests.checkpoint.test_incremental import _ebc
 from torchrec_kvemb.checkpoint.streaming import CallableSink, EmbeddingStreamer, FileSink
-from torchrec_kvemb.options import EvictionPolicy
-
-
-def _ebc():
-    configs = [
-        EmbeddingBagConfig(
-            name="user", embedding_dim=4, num_embeddings=2**63 - 1, feature_names=["u"]
-        ),
-        EmbeddingBagConfig(name="item", embedding_dim=3, num_embeddings=2**40, feature_names=["i"]),
-    ]
-    opts = {
-        "user": KVTableOptions(capacity=32, eviction=EvictionPolicy.LRU),
-        "item": KVTableOptions(capacity=64, eviction=EvictionPolicy.LRU),
-    }
-    return KVEmbeddingBagCollection(
-        configs,
-        opts,
-        fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1},
-    )
 
 
 def _step(ebc, gen):

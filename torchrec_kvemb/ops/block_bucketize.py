@@ -19,14 +19,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm: the CPU fast path and oracle)
 import torch
 
 from torchrec_kvemb.backend import use_triton
-
-try:  # registers torch.ops.fbgemm (the CPU fast path)
-    import fbgemm_gpu  # noqa: F401
-except ImportError:  # pragma: no cover
-    pass
 
 __all__ = ["BucketizeResult", "block_bucketize_2d", "block_bucketize_2d_torch"]
 
