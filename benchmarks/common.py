@@ -91,6 +91,7 @@ def time_interleaved(
     steps_per_block: int,
     repeats: int,
     warmup: int = 1,
+    sync: Callable[[], object] | None = None,
 ) -> dict[str, Timing]:
     """Time several step functions taking turns.
 
@@ -98,6 +99,9 @@ def time_interleaved(
     system can be fed the same batch sequence): first ``warmup`` calls untimed,
     then ``repeats`` blocks of ``steps_per_block`` calls, the systems
     alternating block by block. Returns per-call timings by name.
+
+    ``sync`` (e.g. ``torch.cuda.synchronize``) runs before a block's clock
+    starts and before it stops, so asynchronous device work is counted.
     """
     if steps_per_block < 1 or repeats < 1:
         raise ValueError("steps_per_block and repeats must be >= 1")
@@ -106,9 +110,13 @@ def time_interleaved(
     def run(name: str, n: int) -> float:
         fn, start = steps[name], calls[name]
         gc.collect()
+        if sync is not None:
+            sync()
         begin = time.perf_counter()
         for i in range(start, start + n):
             fn(i)
+        if sync is not None:
+            sync()
         elapsed = time.perf_counter() - begin
         calls[name] += n
         return elapsed
@@ -124,10 +132,14 @@ def time_interleaved(
 
 
 def time_steps(
-    step: Callable[[int], object], steps_per_block: int, repeats: int, warmup: int = 1
+    step: Callable[[int], object],
+    steps_per_block: int,
+    repeats: int,
+    warmup: int = 1,
+    sync: Callable[[], object] | None = None,
 ) -> Timing:
     """``time_interleaved`` for one step function."""
-    return time_interleaved({"step": step}, steps_per_block, repeats, warmup)["step"]
+    return time_interleaved({"step": step}, steps_per_block, repeats, warmup, sync)["step"]
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

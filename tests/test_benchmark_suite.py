@@ -42,12 +42,15 @@ def test_only_rejects_unknown_benchmark(tmp_path: Path) -> None:
     assert exc.value.code == 2
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
-def test_gpu_without_cuda_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_gpu_without_cuda_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exc:
-        run.main(["--gpu", "--quick", "--only", "ebc", "--out-dir", str(tmp_path)])
+        run.main(["--gpu", "--quick", "--out-dir", str(tmp_path)])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert "CUDA device is required" in err
+    assert not (tmp_path / run.GPU_RESULTS_FILE).exists()
     assert not (tmp_path / run.RESULTS_FILE).exists()
