@@ -40,14 +40,21 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec import EmbeddingBagConfig
 
-from benchmarks.common import format_table, load_average, machine_summary, markdown_table
+from benchmarks.common import (
+    add_config_flags,
+    config_from_args,
+    format_table,
+    load_average,
+    machine_summary,
+    markdown_table,
+)
 from torchrec_kvemb import KVEmbeddingBagCollection, KVTableOptions, checkpoint
 
 #: Checkpoint throughput must reach this fraction of the disk's sequential rate.
@@ -275,16 +282,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[CheckpointBenchConfig, argpa
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="file system to measure")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table too")
-    for f in fields(CheckpointBenchConfig):
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=None)
+    names = add_config_flags(parser, CheckpointBenchConfig)
     args = parser.parse_args(argv)
-    config = QUICK if args.quick else CheckpointBenchConfig()
-    overrides = {
-        f.name: getattr(args, f.name)
-        for f in fields(CheckpointBenchConfig)
-        if getattr(args, f.name) is not None
-    }
-    return replace(config, **overrides), args
+    return config_from_args(args, QUICK if args.quick else CheckpointBenchConfig(), names), args
 
 
 def main(argv: Sequence[str] | None = None) -> CheckpointBenchResult:

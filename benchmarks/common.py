@@ -8,10 +8,14 @@
 * ``format_table`` / ``markdown_table`` / ``write_markdown``: result tables.
 * ``profile_functions`` / ``profile_ops``: where a step's time goes, by
   Python function of a package (stack-based, exact) and by torch op.
+* ``add_config_flags`` / ``config_from_args`` / ``command_line``: the
+  benchmarks' command lines (one flag per field of a config dataclass).
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import gc
 import os
 import platform
@@ -300,3 +304,32 @@ def profile_ops(fn: Callable[[int], object], calls: int, limit: int = 25) -> str
     ]
     rows.append(("total", "", f"{total / 1e3 / calls:.2f}", "100.0"))
     return format_table(("op", "calls", "self ms", "%"), rows)
+
+
+# --------------------------------------------------------------- command lines
+def add_config_flags(
+    parser: argparse.ArgumentParser, config_type: type, skip: Sequence[str] = ()
+) -> list[str]:
+    """Add ``--field-name`` (int, or float where the default is one; default
+    ``None``: not given) for each field of the dataclass ``config_type``;
+    returns the field names."""
+    names = []
+    for f in dataclasses.fields(config_type):
+        if f.name in skip:
+            continue
+        kind = float if isinstance(f.default, float) else int
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=None)
+        names.append(f.name)
+    return names
+
+
+def config_from_args(args: argparse.Namespace, base: object, names: Sequence[str]):
+    """``base`` with the fields among ``names`` that were given on the command line."""
+    given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    return dataclasses.replace(base, **given)
+
+
+def command_line(module: str, argv: Sequence[str] | None) -> str:
+    """``python -m <module> <args>``, the way a report names the run."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return " ".join(["python -m", module, *args])

@@ -52,6 +52,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from benchmarks.common import (
     Timing,
     ZipfIds,
+    add_config_flags,
+    config_from_args,
     format_table,
     load_average,
     machine_summary,
@@ -312,15 +314,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[DistBenchConfig, argparse.Na
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
     parser.add_argument("--worker", metavar="RESULT_JSON", help=argparse.SUPPRESS)
-    for f in fields(DistBenchConfig):
-        kind = float if isinstance(f.default, float) else int
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=None)
+    names = add_config_flags(parser, DistBenchConfig)
     args = parser.parse_args(argv)
-    config = QUICK if args.quick else DistBenchConfig()
-    overrides = {
-        f.name: getattr(args, f.name) for f in fields(config) if getattr(args, f.name) is not None
-    }
-    return replace(config, **overrides), args
+    return config_from_args(args, QUICK if args.quick else DistBenchConfig(), names), args
 
 
 def main(argv: Sequence[str] | None = None) -> DistBenchResult | None:

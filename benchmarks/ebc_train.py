@@ -36,7 +36,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -57,6 +57,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from benchmarks.common import (
     ZipfIds,
+    add_config_flags,
+    command_line,
+    config_from_args,
     format_table,
     load_average,
     machine_line,
@@ -564,17 +567,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namesp
     parser.add_argument("--out", help="also write a markdown report to this path")
     parser.add_argument("--profile", action="store_true", help="profile the KV train step only")
     parser.add_argument("--no-spread", action="store_true", help="skip the 2**40-id KV run")
-    names = {f.name for f in fields(BenchConfig)} - {"spread"}
-    for name in sorted(names):
-        default = getattr(BenchConfig, name)
-        kind = float if isinstance(default, float) else int
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
+    names = add_config_flags(parser, BenchConfig, skip=("spread",))
     args = parser.parse_args(argv)
-    config = QUICK if args.quick else BenchConfig()
-    overrides = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    config = config_from_args(args, QUICK if args.quick else BenchConfig(), names)
     if args.no_spread:
-        overrides["spread"] = False
-    return replace(config, **overrides), args
+        config = replace(config, spread=False)
+    return config, args
 
 
 def main(argv: Sequence[str] | None = None) -> BenchResult | None:
@@ -586,10 +584,7 @@ def main(argv: Sequence[str] | None = None) -> BenchResult | None:
     result = run(config)
     print(report(result))
     if args.out:
-        command = "python -m benchmarks.ebc_train " + " ".join(
-            sys.argv[1:] if argv is None else argv
-        )
-        write_report(result, args.out, command.strip())
+        write_report(result, args.out, command_line("benchmarks.ebc_train", argv))
         print(f"\nwrote {args.out}")
     return result
 

@@ -40,12 +40,15 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 import torch
 
 from benchmarks.common import (
     ZipfIds,
+    add_config_flags,
+    command_line,
+    config_from_args,
     format_table,
     machine_summary,
     markdown_table,
@@ -604,15 +607,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[GpuConfig, argparse.Namespac
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu for a smoke test")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
     parser.add_argument("--out", help="also write a markdown report to this path")
-    names = [f.name for f in fields(GpuConfig)]
-    for name in names:
-        default = getattr(GpuConfig, name)
-        kind = float if isinstance(default, float) else int
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
+    names = add_config_flags(parser, GpuConfig)
     args = parser.parse_args(argv)
-    config = QUICK if args.quick else GpuConfig()
-    overrides = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
-    config = replace(config, **overrides)
+    config = config_from_args(args, QUICK if args.quick else GpuConfig(), names)
     if config.dim % 4:
         parser.error(f"--dim must be a multiple of 4 (FBGEMM's fused tables), got {config.dim}")
     return config, args
@@ -625,10 +622,7 @@ def main(argv: Sequence[str] | None = None) -> GpuResult:
     result = run(config, device)
     print(report(result))
     if args.out:
-        command = "python -m benchmarks.gpu_kernels " + " ".join(
-            sys.argv[1:] if argv is None else argv
-        )
-        write_report(result, args.out, command.strip())
+        write_report(result, args.out, command_line("benchmarks.gpu_kernels", argv))
         print(f"\nwrote {args.out}")
     return result
 

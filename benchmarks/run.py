@@ -188,6 +188,16 @@ RUNNERS: dict[str, Callable[[bool], tuple[list[Row], object]]] = {
 
 
 # ------------------------------------------------------------------- plots
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_ratios(rows: Sequence[Row], path: Path) -> Path:
     """A bar per ratio, the target as a marker line across its bar."""
     import matplotlib
@@ -220,11 +230,7 @@ def plot_ratios(rows: Sequence[Row], path: Path) -> Path:
     ax.set_title("Headline ratios (bar) and targets (dashed)")
     if labelled:
         ax.legend(loc="upper right")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_ebc_throughput(result, path: Path) -> Path:
@@ -248,11 +254,7 @@ def plot_ebc_throughput(result, path: Path) -> Path:
     ax.set_ylabel("M ids/s")
     ax.set_title("EBC throughput per system")
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_gpu_bandwidth(result, path: Path) -> Path:
@@ -275,11 +277,7 @@ def plot_gpu_bandwidth(result, path: Path) -> Path:
     ax.set_ylabel("GB/s (bytes moved at least)")
     ax.set_title(f"Triton kernels on {result.device.split(' (')[0]}", fontsize=9)
     ax.legend(loc="upper right")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 # ------------------------------------------------------------------ report

@@ -41,7 +41,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -50,6 +50,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from benchmarks.common import (
     ZipfIds,
+    add_config_flags,
+    command_line,
+    config_from_args,
     format_table,
     load_average,
     machine_line,
@@ -497,15 +500,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namesp
     parser.add_argument(
         "--dir", help="where the files go: a directory on the disk to measure (default: $TMPDIR)"
     )
-    names = {f.name for f in fields(BenchConfig)}
-    for name in sorted(names):
-        default = getattr(BenchConfig, name)
-        kind = float if isinstance(default, float) else int
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
+    names = add_config_flags(parser, BenchConfig)
     args = parser.parse_args(argv)
-    config = QUICK if args.quick else BenchConfig()
-    overrides = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
-    return replace(config, **overrides), args
+    return config_from_args(args, QUICK if args.quick else BenchConfig(), names), args
 
 
 def main(argv: Sequence[str] | None = None) -> BenchResult | None:
@@ -517,10 +514,7 @@ def main(argv: Sequence[str] | None = None) -> BenchResult | None:
     result = run(config, directory=args.dir)
     print(report(result))
     if args.out:
-        command = "python -m benchmarks.ssd_tier " + " ".join(
-            sys.argv[1:] if argv is None else argv
-        )
-        write_report(result, args.out, command.strip())
+        write_report(result, args.out, command_line("benchmarks.ssd_tier", argv))
         print(f"\nwrote {args.out}")
     return result
 
