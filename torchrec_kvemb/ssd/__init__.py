@@ -2,6 +2,7 @@
 
 * ``slab``: the record file (fixed-size records, checksums, memory-mapped).
 * ``tier``: one table shard's SSD tier: id index, copy-on-write records, flush.
+* ``tiered``: a KVTable's calls over both tiers: demotion, promotion, find, export.
 * ``prefetch``: reading a coming batch's rows on a background thread.
 * ``estimate``: memory and disk a table will use.
 
