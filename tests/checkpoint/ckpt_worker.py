@@ -5,8 +5,9 @@ Save job (2 ranks, KV tables row-wise)::
 
     torchrun --nproc_per_node 2 tests/checkpoint/ckpt_worker.py save DIR
 
-trains ``SAVE_AT`` steps, saves ``DIR/ckpt`` (model, stock table, fused and dense
-optimizer state), writes what it saved to ``DIR/expected.pt`` (every id's row,
+trains ``SAVE_AT`` steps (the KV tables' learning rates change at ``LR_STEP``),
+saves ``DIR/ckpt`` (model, stock table, fused and dense optimizer state, KV
+learning rates), writes what it saved to ``DIR/expected.pt`` (every id's row,
 optimizer state and score, gathered), checks the sharded ``state_dict`` layout,
 then saves ``DIR/killed`` with rank 0 SIGKILLing itself after every rank has
 written its files and before the ``COMPLETE`` marker.
@@ -17,8 +18,9 @@ unsharded, through :func:`load_job`)::
     torchrun --nproc_per_node 3 tests/checkpoint/ckpt_worker.py load DIR row_wise
 
 refuse ``DIR/killed`` and a checkpoint of another table config (nothing changes),
-load ``DIR/ckpt``, compare every id's row, state and score exactly with
-``expected.pt``, then train to ``STEPS`` and compare with a model that was never
+load ``DIR/ckpt`` into a model built with other KV learning rates, compare every
+id's row, state and score exactly with ``expected.pt`` and the learning rates with
+``CHANGED_LR``, then train to ``STEPS`` and compare with a model that was never
 stopped: an unsharded reference fed the same global batches, with the mean loss
 over the ranks of the run it stands for (TorchRec divides gradients by the world
 size; DDP averages dense ones). Rank 0 writes ``DIR/<job>.json``; the test asserts.
@@ -63,6 +65,11 @@ GLOBAL_BATCH = 12
 SAVE_AT = 3
 STEPS = 5
 SAVE_WORLD = 2
+#: At this step (before the save) the KV tables' learning rates become these, set
+#: as a user sets them (:func:`set_kv_lr`); models are built with ADAGRAD's and
+#: ADAM's, so only the checkpoint can bring them back.
+LR_STEP = 1
+CHANGED_LR = {"ebc.embedding_bags.user": 0.07, "kv.embedding_bags.item": 0.03}
 #: Largest difference that passes for a run against the reference (float32 sums
 #: in another order); loaded rows must be bit-exact.
 TOL = 1e-5
@@ -170,6 +177,37 @@ def kv_tables(model: nn.Module) -> dict:
     return out
 
 
+def kv_param_groups(dmp: DistributedModelParallel) -> dict:
+    """The ``model.fused_optimizer`` param group holding each KV table's rows on this
+    rank, by state_dict prefix."""
+    params = dmp.fused_optimizer.params
+    out = {}
+    for prefix in KV_TABLES:
+        weight = params.get(f"{prefix}.weight")
+        if weight is not None:
+            groups = dmp.fused_optimizer.param_groups
+            out[prefix] = next(g for g in groups if any(p is weight for p in g["params"]))
+    return out
+
+
+def kv_lr(model: nn.Module) -> dict[str, float]:
+    """This rank's KV tables' learning rates by prefix, where a user reads them."""
+    if isinstance(model, DistributedModelParallel):
+        return {prefix: group["lr"] for prefix, group in kv_param_groups(model).items()}
+    return {prefix: table.optim.learning_rate for prefix, table in kv_tables(model).items()}
+
+
+def set_kv_lr(model: nn.Module, lrs: dict[str, float]) -> None:
+    """Sharded: ``param_groups[i]["lr"] = x`` on ``model.fused_optimizer``; unsharded:
+    the table's ``optim``."""
+    if isinstance(model, DistributedModelParallel):
+        for prefix, group in kv_param_groups(model).items():
+            group["lr"] = lrs[prefix]
+        return
+    for prefix, table in kv_tables(model).items():
+        table.optim = table.optim.with_learning_rate(lrs[prefix])
+
+
 # ----------------------------------------------------------------- batches
 def id_pools() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
@@ -210,6 +248,8 @@ def kjt(batch: dict, keys: list[str], bags: slice) -> KeyedJaggedTensor:
 def train_step(model, optimizer, step: int, rank: int, world: int, divide: int) -> dict:
     """One step on this rank's share of the global batch (the whole batch when
     ``world == 1``); the loss is divided by ``divide``. Returns the outputs."""
+    if step == LR_STEP:
+        set_kv_lr(model, CHANGED_LR)
     batch = global_batch(step)
     per_rank = GLOBAL_BATCH // world
     bags = slice(rank * per_rank, (rank + 1) * per_rank)
@@ -377,6 +417,7 @@ def save_job(directory: str) -> dict:
         tally, snapshot(dmp), snapshot(ref), exact=False, label="sharded vs reference"
     )
     check_layout(tally, dmp)
+    check_lr(tally, dmp, "saved")
     saved = snapshot(dmp)
     stock = stock_snapshot(dmp)
     # The sharded module loads its own state_dict (ShardedTensors) back unchanged.
@@ -443,11 +484,17 @@ def load_job(directory: str, sharding: str | None) -> dict:
 
     model = build()
     optimizer = dense_optimizer(model)
+    built_lr = kv_lr(model)
+    tally.check(
+        "built with other learning rates", all(built_lr[p] != CHANGED_LR[p] for p in built_lr)
+    )
     # Refused: an interrupted save, another table config. Nothing changes.
     tally.check("incomplete checkpoint refused", refused(model, directory, "killed", "incomplete"))
     wrong = build(user_dim=4)
+    wrong_lr = kv_lr(wrong)
     tally.check("other dim refused", refused(wrong, directory, "ckpt", "'user'"))
     tally.check("refused load changes nothing", all(t.size == 0 for t in kv_tables(wrong).values()))
+    tally.check("refused load keeps the learning rates", kv_lr(wrong) == wrong_lr)
     if not distributed or sharding == "table_wise":
         # Table-wise, only the owner rank knows the optimizer: every rank must refuse
         # (not strict: the stock table's fused SGD has no momentum1 to load either).
@@ -458,6 +505,7 @@ def load_job(directory: str, sharding: str | None) -> dict:
     del wrong
 
     ckpt.load(model, os.path.join(directory, "ckpt"), optimizer=optimizer)
+    check_lr(tally, model, "loaded")
     compare_snapshots(tally, snapshot(model), expected["tables"], exact=True, label="loaded")
     compare_optimizer(tally, optimizer_state(optimizer), expected["optimizer"], "loaded")
     if distributed:
@@ -487,11 +535,22 @@ def load_job(directory: str, sharding: str | None) -> dict:
         ckpt.save(model, resaved, optimizer=optimizer)
         other = sharded_model("table_wise" if sharding == "row_wise" else "row_wise")
         ckpt.load(other, resaved)
+        check_lr(tally, other, "resharded")
         compare_snapshots(tally, snapshot(other), snapshot(model), exact=True, label="resharded")
         stock, other_stock = stock_snapshot(model), stock_snapshot(other)
         tally.exact("resharded: stock rows", other_stock["weight"], stock["weight"])
         check_migration(tally, other)
     return {"world_size": world, "sharding": sharding or "unsharded", **tally.result()}
+
+
+def check_lr(tally: Tally, model: nn.Module, label: str) -> None:
+    """Every KV table this rank holds has ``CHANGED_LR``'s learning rate, where a user
+    reads it and in the table's ``optim`` (a table-wise table is checked on its rank)."""
+    lrs = kv_lr(model)
+    for prefix, table in kv_tables(model).items():
+        want = CHANGED_LR[prefix]
+        ok = lrs.get(prefix) == want and table.optim.learning_rate == want
+        tally.check(f"{label}: {prefix} learning rate", ok)
 
 
 def check_migration(tally: Tally, model: DistributedModelParallel) -> None:

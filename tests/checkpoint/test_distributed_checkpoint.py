@@ -1,19 +1,22 @@
 """Checkpoints across world sizes and sharding types: real torchrun jobs (gloo, CPU).
 
-One save job (2 ranks, KV tables row-wise; it ends by killing rank 0 in the
-middle of a second save), then loads of its checkpoint at 3 ranks row-wise, 2
-ranks table-wise (each also re-saves and loads into the other sharding type)
-and 1 process unsharded (in this process). The jobs write their figures to
-JSON (see ``ckpt_worker.py``); the assertions are here.
+One save job (2 ranks, KV tables row-wise, their learning rates changed during
+training; it ends by killing rank 0 in the middle of a second save), then loads
+of its checkpoint at 3 ranks row-wise, 2 ranks table-wise (each also re-saves and
+loads into the other sharding type) and 1 process unsharded (in this process).
+The jobs write their figures to JSON (see ``ckpt_worker.py``); the assertions
+are here.
 """
 
 import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
+import torch.distributed.checkpoint as dcp
 
 from tests.checkpoint import ckpt_worker
 from torchrec_kvemb import checkpoint
@@ -74,6 +77,15 @@ def test_save_at_two_ranks_row_wise(saved):
     assert tables["kv.embedding_bags.item"]["optimizer"] == "adam"
     assert {t["sharding"] for t in tables.values()} == {"row_wise"}
     assert marker["fingerprint"] == checkpoint.fingerprint(tables)
+    # The KV tables' learning rates when saved: one entry per table, any DCP reader.
+    lrs = {f"fused_optim.param_groups.{prefix}.weight.lr": None for prefix in tables}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that there is no process group
+        dcp.load(lrs, storage_reader=dcp.FileSystemReader(saved / "ckpt"), no_dist=True)
+    assert lrs == {
+        f"fused_optim.param_groups.{prefix}.weight.lr": lr
+        for prefix, lr in ckpt_worker.CHANGED_LR.items()
+    }
 
 
 def test_rank_killed_mid_save_leaves_an_incomplete_checkpoint(saved):
@@ -110,6 +122,9 @@ def test_load_at_another_world_size_and_sharding(saved, world_size, sharding):
         assert check in checks
     if sharding == "table_wise":
         assert "other optimizer refused" in checks
+    for prefix in ckpt_worker.KV_TABLES:
+        assert f"loaded: {prefix} learning rate" in checks
+        assert f"resharded: {prefix} learning rate" in checks
     assert any(c.startswith("loaded: ebc.embedding_bags.user momentum1") for c in checks)
     assert any(c.startswith("resharded: kv.embedding_bags.item exp_avg") for c in checks)
     assert job.returncode == 0, job.stderr[-6000:]
@@ -120,4 +135,6 @@ def test_load_unsharded(saved):
     print(json.dumps(result, indent=1, sort_keys=True))
     assert_passed(result)
     assert "other optimizer refused" in result["checks"]
+    for prefix in ckpt_worker.KV_TABLES:
+        assert f"loaded: {prefix} learning rate" in result["checks"]
     assert "continued: outputs" in result["max_abs_diff"]

@@ -3,9 +3,10 @@
 Built on ``torch.distributed.checkpoint`` (DCP). One checkpoint holds the whole
 model's ``state_dict()`` (KV tables as described in :mod:`.state`, stock tables,
 dense parameters and buffers), the fused optimizer state of stock tables
-(``model.fused_optimizer``, where the model has one) and, optionally, a dense
-optimizer. Both calls are collectives when ``torch.distributed`` is initialized
-(call them on every rank) and work without a process group too.
+(``model.fused_optimizer``, where the model has one), the learning rate of each
+KV table's fused optimizer and, optionally, a dense optimizer. Both calls are
+collectives when ``torch.distributed`` is initialized (call them on every rank)
+and work without a process group too.
 
 ``load`` works at another world size, another sharding type of a KV table
 (row-wise <-> table-wise) and into the unsharded ``KVEmbeddingBagCollection``:
@@ -35,6 +36,7 @@ import contextlib
 import copy
 import hashlib
 import json
+import math
 import os
 import shutil
 import uuid
@@ -122,6 +124,9 @@ def save(
     tables = _table_configs(slots, group)
     state: dict[str, Any] = {_MODEL: model.state_dict()}
     fused = _fused_state(model, slots)
+    learning_rates = _learning_rates(slots)
+    if learning_rates:
+        fused = {**fused, "param_groups": learning_rates}
     if fused:
         state[_FUSED] = fused
     if optimizer is not None:
@@ -299,6 +304,16 @@ def load(
     fused_live, _ = flatten_state_dict({_FUSED: fused})
     fused_keys = [k for k in fused_live if k in saved]
     targets.update({key: _copy(fused_live[key]) for key in fused_keys})
+    # KV learning rates: absent from checkpoints written before they were saved.
+    lr_keys = {p: _lr_key(p) for p, slot in slots.items() if slot.layout.table is not None}
+    lr_keys = {p: key for p, key in lr_keys.items() if key in saved}
+    for key in lr_keys.values():
+        md = saved[key]
+        targets[key] = (
+            torch.empty(md.size, dtype=md.properties.dtype)
+            if isinstance(md, TensorStorageMetadata)
+            else None
+        )
     optim_keys = []
     if optimizer is not None:
         optim_keys = [k for k in saved if k.startswith(_OPTIM + ".")]
@@ -321,6 +336,7 @@ def load(
     # 3. Check what this rank keeps, agree, then change the model.
     pending: list[tuple[KVTableSlot, TableRows]] = []
     optim_state = None
+    learning_rates: dict[str, float] = {}
     error = None
     try:
         for prefix, slot in kv_reads.items():
@@ -331,6 +347,9 @@ def load(
             )
             check_fits(slot.layout.table, rows)
             pending.append((slot, rows))
+        learning_rates = _saved_learning_rates(
+            slots, {p: targets[key] for p, key in lr_keys.items()}
+        )
         if optimizer is not None:
             optim_state = _optimizer_to_load(
                 model, optimizer, {k: targets[k] for k in optim_keys}, metadata
@@ -345,6 +364,7 @@ def load(
         restore_table(slot.layout.table, rows)
     for key in fused_keys:
         _copy_into(fused_live[key], targets[key])
+    _restore_learning_rates(slots, learning_rates)
     if optimizer is not None:
         optimizer.load_state_dict(optim_state)
 
@@ -519,6 +539,69 @@ def _fused_state(model: nn.Module, slots: Mapping[str, KVTableSlot]) -> dict[str
     params = fused.params
     state = fused.state_dict()["state"]
     return {"state": {k: v for k, v in state.items() if id(params.get(k)) not in kv_rows and v}}
+
+
+def _lr_key(prefix: str) -> str:
+    """The DCP key of a KV table's learning rate: its fused optimizer param key (the
+    state_dict key of its rows) under ``fused_optim.param_groups``."""
+    return f"{_FUSED}.param_groups.{prefix}weight.lr"
+
+
+def _learning_rates(slots: Mapping[str, KVTableSlot]) -> dict[str, dict[str, float]]:
+    """``{param key: {"lr": lr}}`` of the KV tables this rank holds (saved under
+    ``fused_optim.param_groups``; every rank holding a shard writes the same value)."""
+    out = {}
+    for prefix, slot in slots.items():
+        lr = slot.layout.learning_rate()
+        if lr is not None:
+            out[f"{prefix}weight"] = {"lr": lr}
+    return out
+
+
+def _saved_learning_rates(
+    slots: Mapping[str, KVTableSlot], values: Mapping[str, Any]
+) -> dict[str, float]:
+    """The learning rates read for this rank's KV tables, by prefix, checked."""
+    out = {}
+    for prefix, value in values.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            lr = math.nan
+        else:
+            lr = float(value)
+        if not (math.isfinite(lr) and lr >= 0):
+            raise CheckpointError(
+                f"table {slots[prefix].layout.name!r} ({prefix.rstrip('.')}): the saved "
+                f"learning rate {value!r} is not a number >= 0"
+            )
+        out[prefix] = lr
+    return out
+
+
+def _restore_learning_rates(slots: Mapping[str, KVTableSlot], saved: Mapping[str, float]) -> None:
+    """Give each KV table its saved learning rate. Sharded tables of one grouped
+    config share one fused optimizer, hence one ``lr``: where theirs were saved
+    different (e.g. set per table unsharded), the rate of the table whose state_dict
+    key sorts first applies to all of them (the same choice on every rank), with a
+    warning."""
+    shared: dict[int, list[str]] = {}
+    for prefix in sorted(saved):
+        layout = slots[prefix].layout
+        owner = layout.fused_optimizer if layout.fused_optimizer is not None else layout.table
+        shared.setdefault(id(owner), []).append(prefix)
+    for prefixes in shared.values():
+        lr = saved[prefixes[0]]
+        if len({saved[p] for p in prefixes}) > 1:
+            names = [slots[p].layout.name for p in prefixes]
+            warnings.warn(
+                f"KV tables {names} share one fused optimizer param group in this model but "
+                f"were saved with learning rates {[saved[p] for p in prefixes]}; all of them "
+                f"now use {lr} (that of {names[0]!r})",
+                stacklevel=3,
+            )
+        for prefix in prefixes:
+            slots[prefix].layout.set_learning_rate(lr)
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:

@@ -86,6 +86,27 @@ class TableLayout:
     admission: bool
     #: ``"unsharded"``, ``"row_wise"`` or ``"table_wise"``.
     sharding: str = "unsharded"
+    #: Sharded: the ``KVFusedOptimizer`` whose ``lr`` drives this shard (shared by
+    #: the tables of its grouped config). Unsharded: None, ``table.optim`` does.
+    fused_optimizer: Any = field(default=None, compare=False, repr=False)
+
+    def learning_rate(self) -> float | None:
+        """The fused optimizer's current learning rate for this table (None where
+        this rank holds no shard of it)."""
+        if self.table is None:
+            return None
+        if self.fused_optimizer is not None:
+            return float(self.fused_optimizer.learning_rate)
+        return float(self.table.optim.learning_rate)
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Make ``lr`` the learning rate of the next update (sharded: of every table
+        sharing this shard's fused optimizer)."""
+        if self.table is None:
+            return
+        if self.fused_optimizer is not None:
+            self.fused_optimizer.learning_rate = lr
+        self.table.optim = self.table.optim.with_learning_rate(lr)
 
     def owns(self, ids: torch.Tensor) -> torch.Tensor:
         """Which of ``ids`` this rank stores."""
@@ -488,6 +509,7 @@ def _sharded_layouts(module: nn.Module) -> list[TableLayout]:
     the rank holding the table owns all of them."""
     env = module._env
     tables = module.kv_tables()
+    optimizers = module.kv_fused_optimizers()
     options = module._kv_specs.options
     out = []
     for config in module._embedding_bag_configs:
@@ -504,7 +526,14 @@ def _sharded_layouts(module: nn.Module) -> list[TableLayout]:
         admission = options[config.name].admission_threshold > 1
         out.append(
             TableLayout(
-                config.name, config.embedding_dim, num_buckets, table, owned, admission, sharding
+                config.name,
+                config.embedding_dim,
+                num_buckets,
+                table,
+                owned,
+                admission,
+                sharding,
+                optimizers.get(config.name),
             )
         )
     return out

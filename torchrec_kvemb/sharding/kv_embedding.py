@@ -121,7 +121,12 @@ class KVFusedOptimizer(FusedOptimizer):
 
     @property
     def learning_rate(self) -> float:
+        """``param_groups[0]["lr"]``: the learning rate of the next update."""
         return float(self.param_groups[0]["lr"])
+
+    @learning_rate.setter
+    def learning_rate(self, value: float) -> None:
+        self.param_groups[0]["lr"] = float(value)
 
     def step(self, closure: Any = None) -> None:
         """Nothing to do: the KV rows were updated inside backward."""
@@ -282,6 +287,16 @@ class KVGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
         """This rank's KV table shards, by table name."""
         return {
             t.name: t
+            for module in self._emb_modules
+            if isinstance(module, KVEmbeddingBag)
+            for t in module.tables
+        }
+
+    def kv_fused_optimizers(self) -> dict[str, KVFusedOptimizer]:
+        """The fused optimizer driving each of this rank's KV table shards, by table
+        name (the tables of one grouped config share one, and its ``lr``)."""
+        return {
+            t.name: module.fused_optimizer
             for module in self._emb_modules
             if isinstance(module, KVEmbeddingBag)
             for t in module.tables

@@ -35,7 +35,11 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from torchrec_kvemb.checkpoint.state import register_sharded_hooks
 from torchrec_kvemb.ebc import KVEmbeddingBagCollection
-from torchrec_kvemb.sharding.kv_embedding import KVGroupedPooledEmbeddingsLookup, KVTableSpecs
+from torchrec_kvemb.sharding.kv_embedding import (
+    KVFusedOptimizer,
+    KVGroupedPooledEmbeddingsLookup,
+    KVTableSpecs,
+)
 from torchrec_kvemb.sharding.planner import KV_COMPUTE_KERNEL
 from torchrec_kvemb.sharding.rw import KVRwPooledEmbeddingSharding
 from torchrec_kvemb.sharding.tw import KVTwPooledEmbeddingSharding
@@ -121,8 +125,9 @@ class ShardedKVEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     Built by :class:`~torchrec_kvemb.KVEmbeddingBagCollectionSharder`; forward,
     ``input_dist`` / ``compute_and_output_dist`` and ``fused_optimizer`` are
     TorchRec's. ``kv_tables()`` gives this rank's shards, ``metrics()`` their
-    counters. ``state_dict()`` holds the KV tables' rows as ShardedTensors (a
-    collective: call it on every rank; see docs/checkpoint-format.md).
+    counters, ``kv_fused_optimizers()`` the optimizers whose ``lr`` drives them.
+    ``state_dict()`` holds the KV tables' rows as ShardedTensors (a collective:
+    call it on every rank; see docs/checkpoint-format.md).
 
     Example::
 
@@ -170,6 +175,18 @@ class ShardedKVEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             if isinstance(lookup, KVGroupedPooledEmbeddingsLookup):
                 tables.update(lookup.kv_tables())
         return tables
+
+    def kv_fused_optimizers(self) -> dict[str, KVFusedOptimizer]:
+        """The ``KVFusedOptimizer`` (part of ``fused_optimizer``) whose ``lr`` drives each
+        of this rank's KV table shards, by table name; tables of one grouped config
+        share one."""
+        optimizers: dict[str, KVFusedOptimizer] = {}
+        for lookup in self._lookups:
+            while isinstance(lookup, nn.parallel.DistributedDataParallel):
+                lookup = lookup.module
+            if isinstance(lookup, KVGroupedPooledEmbeddingsLookup):
+                optimizers.update(lookup.kv_fused_optimizers())
+        return optimizers
 
     def metrics(self) -> dict[str, dict[str, float]]:
         """``KVTable.metrics()`` of this rank's shards, by table name."""
