@@ -46,6 +46,7 @@ Flags
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -231,6 +232,10 @@ def reshard(args: argparse.Namespace) -> None:
         f"{td.directory_bytes(out) / 2**20:.1f} MiB, {time.perf_counter() - started:.1f} s)",
     )
     dist.barrier()
+    # Release the model (and the collectives' buffers it holds) while the
+    # interpreter is whole: gloo's threads must not free tensors during exit.
+    del model, optimizer
+    gc.collect()
     dist.destroy_process_group()
     if not rows_ok or predictions_ok is False:
         raise SystemExit(1)
