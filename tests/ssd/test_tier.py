@@ -15,6 +15,7 @@ import torch
 
 import torchrec_kvemb.ssd.slab as slab_module
 from torchrec_kvemb import EvictionPolicy, KVTable, KVTableOptions, SSDOptions
+from torchrec_kvemb.checkpoint.state import restore_table, rows_from_entries, table_state
 from torchrec_kvemb.ops.hashing import index_bucket
 from torchrec_kvemb.ops.insert import insert
 from torchrec_kvemb.optimizer import FusedOptimConfig, OptimKind
@@ -164,6 +165,23 @@ def test_insert_with_exact_scores_keeps_them_in_either_tier(tmp_path, policy, ss
     ssd_scores = table.ssd.scores_of(table.ssd.lookup(ids[on_ssd]))
     want = scores[on_ssd] if ssd_policy == policy else torch.full_like(ssd_scores, table.step)
     assert torch.equal(ssd_scores, want), "the SSD tier ranks them by other scores"
+
+
+def test_full_disk_in_a_checkpoint_load_leaves_the_table_unchanged(tmp_path, monkeypatch):
+    saved = _ssd_table(tmp_path / "saved", optim=ADAM)
+    _train(saved, _batches(50, n_ids=48, id_range=10**5))  # more rows than the slab has
+    rows = rows_from_entries("t", table_state(saved))
+    table = _ssd_table(tmp_path / "loaded", optim=ADAM)
+    _train(table, _batches(3, seed=5))
+    before, exported = _snapshot(table), table.export()
+    monkeypatch.setattr(slab_module, "_fallocate", _no_space)
+    with pytest.raises(KVStorageError, match="no space left on device"):
+        restore_table(table, rows)
+    assert _same(_snapshot(table), before)
+    _assert_same_rows(table.export(), exported)
+    monkeypatch.undo()
+    restore_table(table, rows)
+    _assert_same_rows(table.export(), saved.export())
 
 
 def test_custom_scores_carry_across_tiers(tmp_path):
