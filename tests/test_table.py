@@ -252,3 +252,32 @@ def test_same_bucket_overflow_is_exact():
     assert (slots >= 0).sum() == WAYS
     # same step, same score: the smaller ids win
     assert torch.equal(table.export()["ids"], ids.sort().values[:WAYS])
+
+
+@pytest.mark.parametrize("policy", [EvictionPolicy.LRU, EvictionPolicy.LFU], ids=["lru", "lfu"])
+def test_insert_with_exact_scores_keeps_them(policy):
+    table = KVTable("exact", 3, KVTableOptions(capacity=4 * WAYS, eviction=policy))
+    table.lookup_train(torch.tensor([4, 9, 9]))  # stored: LFU counts 1 and 2
+    ids = _same_ids_in_bucket(WAYS + 3, num_buckets=4, start=100)
+    ids = torch.cat([ids, torch.tensor([9])])
+    scores = torch.randperm(ids.numel()) * 5 + 11
+    slots = table.insert(ids, torch.randn(ids.numel(), 3), scores=scores, exact_scores=True)
+    # A full bucket keeps the highest scores (9, stored already, keeps its row).
+    new = ids[:-1][slots[:-1] >= 0]
+    best = ids[:-1][torch.argsort(scores[:-1], descending=True)]
+    assert slots[-1] >= 0 and int((slots[:-1] >= 0).sum()) <= WAYS
+    assert torch.equal(new.sort().values, best[: new.numel()].sort().values)
+    exported = table.export()
+    got = dict(zip(exported["ids"].tolist(), exported["scores"].tolist()))
+    want = dict(zip(ids[slots >= 0].tolist(), scores[slots >= 0].tolist()))
+    assert {k: got[k] for k in want} == want  # LFU: 9 is set to its score, not added to
+
+
+def test_exact_scores_need_integer_scores_and_change_nothing():
+    table = KVTable("exact", 2, KVTableOptions(capacity=32))
+    table.insert(torch.tensor([1, 2]), torch.ones(2, 2))
+    before = _snapshot(table)
+    for scores in (None, torch.tensor([1.0, 2.0]), torch.tensor([1])):
+        with pytest.raises(KVInputError, match=r"'exact'.*exact_scores needs an integer"):
+            table.insert(torch.tensor([3, 4]), torch.ones(2, 2), scores=scores, exact_scores=True)
+    assert all(torch.equal(x, y) for x, y in zip(before, _snapshot(table)))

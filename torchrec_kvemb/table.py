@@ -199,24 +199,46 @@ class KVTable:
         weights: torch.Tensor,
         state: torch.Tensor | None = None,
         scores: torch.Tensor | None = None,
+        *,
+        exact_scores: bool = False,
     ) -> torch.Tensor:
         """Store rows for unique ``ids`` (overwriting stored ones); returns their slots.
 
         The eviction policy applies when a bucket is full; an id that finds no
-        room gets slot -1 and is counted in ``insert_failures``.
+        room gets slot -1 and is counted in ``insert_failures``. With an SSD tier,
+        rows that find no memory row go to the SSD tier (slot -1 too).
+
+        ``scores`` are custom scores, used by ``CUSTOM_SCORE`` tables only (LRU
+        rows get the current step; LFU adds a count of 1). With ``exact_scores``
+        they are the rows' eviction scores as given, whatever the policy (LRU
+        steps, LFU counts, custom scores): they rank the rows for memory and are
+        stored as they are, in whichever tier a row lands (as a checkpoint load
+        restores saved scores).
         """
         ids = check_ids(self.name, ids).to(self.device)
         check_rows(self.name, weights, ids.numel(), self.dim)
         if state is not None:
             check_rows(self.name, state, ids.numel(), self.state_dim, what="state")
+        if exact_scores and (
+            scores is None or tuple(scores.shape) != (ids.numel(),) or scores.is_floating_point()
+        ):
+            raise KVInputError(
+                f"table {self.name!r}: exact_scores needs an integer scores tensor of "
+                f"{ids.numel()} entries"
+            )
         if ids.numel() != torch.unique(ids).numel():
             raise KVInputError(f"table {self.name!r}: insert needs unique ids")
-        values = self._score_values(ids, torch.ones_like(ids), scores)
+        if exact_scores:
+            values = scores.to(device=self.device, dtype=torch.int64)
+        else:
+            values = self._score_values(ids, torch.ones_like(ids), scores)
         if self._ssd is not None:
-            return tiered.insert(self, ids, values, weights, state)
+            return tiered.insert(self, ids, values, weights, state, exact_scores)
         result = self._insert(ids, values)
         stored = result.slots >= 0
         slots = result.slots[stored]
+        if exact_scores:  # an LFU hit added its value to the stored count
+            self._index.scores.view(-1).index_copy_(0, slots, values[stored])
         self.weights.index_copy_(0, slots, weights.to(self.weights)[stored.to(weights.device)])
         if state is not None:
             self.state.index_copy_(0, slots, state.to(self.state)[stored.to(state.device)])

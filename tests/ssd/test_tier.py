@@ -15,6 +15,7 @@ import torch
 
 import torchrec_kvemb.ssd.slab as slab_module
 from torchrec_kvemb import EvictionPolicy, KVTable, KVTableOptions, SSDOptions
+from torchrec_kvemb.checkpoint.state import restore_table, rows_from_entries, table_state
 from torchrec_kvemb.ops.hashing import index_bucket
 from torchrec_kvemb.ops.insert import insert
 from torchrec_kvemb.optimizer import FusedOptimConfig, OptimKind
@@ -136,6 +137,51 @@ def test_insert_overwrites_rows_in_either_tier(tmp_path):
     got, found = table.find(ids)
     assert found.all() and torch.equal(got, rows)
     _assert_same_rows(table.export(), reference.export(), scores=False)
+
+
+@pytest.mark.parametrize(
+    "policy, ssd_policy",
+    [
+        (EvictionPolicy.LRU, EvictionPolicy.LRU),
+        (EvictionPolicy.LFU, EvictionPolicy.LFU),
+        (EvictionPolicy.LFU, EvictionPolicy.LRU),
+        (EvictionPolicy.CUSTOM_SCORE, EvictionPolicy.CUSTOM_SCORE),
+    ],
+    ids=["lru", "lfu", "lfu-ssd_lru", "custom_score"],
+)
+def test_insert_with_exact_scores_keeps_them_in_either_tier(tmp_path, policy, ssd_policy):
+    table = _ssd_table(tmp_path, capacity=48, eviction=policy, ssd={"eviction": ssd_policy})
+    _train(table, _batches(9, id_range=200))
+    held = table.ssd.export()[0][:5]  # overwritten: they move to memory
+    ids = torch.cat([held, torch.arange(10**9, 10**9 + 101) * 3])  # more than memory holds
+    scores = torch.randperm(ids.numel()) * 3 + 1000
+    slots = table.insert(ids, torch.randn(ids.numel(), DIM), scores=scores, exact_scores=True)
+    assert bool((slots[:5] >= 0).all()) and bool((slots < 0).any())
+    exported = table.export()
+    at = torch.searchsorted(exported["ids"], ids)
+    assert torch.equal(exported["scores"][at], scores), "a tier lost the given scores"
+    ssd_ids, _, _ = table.ssd.export()
+    on_ssd = torch.isin(ids, ssd_ids)
+    ssd_scores = table.ssd.scores_of(table.ssd.lookup(ids[on_ssd]))
+    want = scores[on_ssd] if ssd_policy == policy else torch.full_like(ssd_scores, table.step)
+    assert torch.equal(ssd_scores, want), "the SSD tier ranks them by other scores"
+
+
+def test_full_disk_in_a_checkpoint_load_leaves_the_table_unchanged(tmp_path, monkeypatch):
+    saved = _ssd_table(tmp_path / "saved", optim=ADAM)
+    _train(saved, _batches(50, n_ids=48, id_range=10**5))  # more rows than the slab has
+    rows = rows_from_entries("t", table_state(saved))
+    table = _ssd_table(tmp_path / "loaded", optim=ADAM)
+    _train(table, _batches(3, seed=5))
+    before, exported = _snapshot(table), table.export()
+    monkeypatch.setattr(slab_module, "_fallocate", _no_space)
+    with pytest.raises(KVStorageError, match="no space left on device"):
+        restore_table(table, rows)
+    assert _same(_snapshot(table), before)
+    _assert_same_rows(table.export(), exported)
+    monkeypatch.undo()
+    restore_table(table, rows)
+    _assert_same_rows(table.export(), saved.export())
 
 
 def test_custom_scores_carry_across_tiers(tmp_path):

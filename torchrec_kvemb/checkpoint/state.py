@@ -322,7 +322,14 @@ def check_fits(table: KVTable, rows: TableRows) -> None:
 # --------------------------------------------------------------- restore
 def restore_table(table: KVTable, rows: TableRows) -> int:
     """Replace the table's content by ``rows`` (checked already); returns how many
-    rows found no room (a full index bucket), after a warning."""
+    rows found no room (a full index bucket), after a warning.
+
+    With an SSD tier, each index bucket keeps its rows of the highest scores in
+    memory (then smallest ids, as a fresh insert ranks them) and the others go to
+    the SSD tier; every row keeps its saved score in either tier."""
+    if table.ssd is not None:
+        # A full disk raises here, before the table changes.
+        table.ssd.reserve(rows.ids.numel())
     _clear(table)
     lost = 0
     if rows.ids.numel():
@@ -330,18 +337,17 @@ def restore_table(table: KVTable, rows: TableRows) -> int:
         if table.ssd is None:
             lost = _fill(table, rows.ids, rows.weights, state, rows.scores)
         else:
-            # Rows that do not fit in memory go to the SSD tier.
-            ids = rows.ids.to(table.device)
-            scores = None if rows.scores is None else rows.scores.to(table.device)
-            slots = table.insert(
-                ids,
+            if rows.step is not None:
+                # why: an SSD tier ranking rows by demotion time (LRU over another
+                # policy) stamps the rows it takes now with the saved step.
+                table.step, table.optim_step = rows.step
+            table.insert(
+                rows.ids.to(table.device),
                 rows.weights.to(table.device),
                 None if state is None else state.to(table.device),
-                scores,
+                None if rows.scores is None else rows.scores.to(table.device),
+                exact_scores=rows.scores is not None,
             )
-            stored = slots >= 0
-            if scores is not None:
-                table.scores.view(-1)[slots[stored]] = scores[stored]
     if rows.step is not None:
         table.step, table.optim_step = rows.step
     if rows.admission is not None:

@@ -207,10 +207,13 @@ def insert(
     values: torch.Tensor,
     weights: torch.Tensor,
     state: torch.Tensor | None,
+    exact_scores: bool = False,
 ) -> torch.Tensor:
     """``insert`` over both tiers: an id held by the SSD tier is overwritten as a
     stored id would be (and moves to memory); rows that find no memory row go
-    to the SSD tier. ``ids`` are checked and unique, ``values`` their scores."""
+    to the SSD tier. ``ids`` are checked and unique, ``values`` their scores
+    (``exact_scores``: the scores every row keeps, in either tier; else LFU
+    adds them to the stored counts)."""
     tier = table._ssd
     ssd_slots = tier.lookup(ids.cpu())
     held = (ssd_slots >= 0).nonzero().squeeze(1)
@@ -219,8 +222,9 @@ def insert(
     _reserve(table, ids.numel())
     tier.remove(ssd_slots[held])
     held = held.to(table.device)
+    given = values
     values = values.clone()
-    accumulate = table.options.eviction == EvictionPolicy.LFU
+    accumulate = table.options.eviction == EvictionPolicy.LFU and not exact_scores
     held_scores = values[held] + old_scores if accumulate else values[held]
     values[held] = INT64_MAX
     before = _scores_before(table, ids)
@@ -231,6 +235,8 @@ def insert(
     table._index.scores.view(-1)[held_slots[held_slots >= 0]] = held_scores[held_slots >= 0]
     stored = result.slots >= 0
     slots = result.slots[stored]
+    if exact_scores:  # an LFU hit in memory added its value to the stored count
+        table._index.scores.view(-1).index_copy_(0, slots, given[stored])
     weights = weights.to(table.weights)
     state = (
         state.to(table.state)
