@@ -180,7 +180,10 @@ def kernel_bytes(kernel: str, ids: int, bags: int, rows: int, dim: int) -> int:
 # ------------------------------------------------------------------ device
 def check_device(name: str) -> torch.device:
     """The device to run on; exit 2 with one line on stderr when it cannot be used."""
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        _refuse(f"unsupported device {name!r} (cuda, or cpu with TRITON_INTERPRET=1)")
     if device.type == "cuda" and not torch.cuda.is_available():
         _refuse("a CUDA device is required (none found)")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

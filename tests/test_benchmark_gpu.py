@@ -127,6 +127,14 @@ def test_cpu_without_interpreter_exits_2(
     assert "set TRITON_INTERPRET=1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", ["tpu", "meta", "nonsense"])
+def test_unknown_device_exits_2(name: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        gpu_kernels.check_device(name)
+    assert exc.value.code == 2
+    assert f"unsupported device {name!r}" in capsys.readouterr().err
+
+
 def test_dim_must_suit_fbgemm() -> None:
     with pytest.raises(SystemExit) as exc:
         gpu_kernels.parse_args(["--quick", "--dim", "7"])
