@@ -1,5 +1,7 @@
-"""Incremental dumps: changed rows and evicted ids per dump, rebuilt exactly."""
+"""Incremental dumps: changed rows and evicted ids per dump, rebuilt exactly, into
+tables with or without an SSD tier."""
 
+import errno
 import json
 import os
 import shutil
@@ -10,7 +12,9 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_kvemb import KVEmbeddingBagCollection, KVTableOptions
+import torchrec_kvemb.ssd.slab as slab_module
+from tests.checkpoint.test_ssd_scores import assert_memory_keeps_the_highest_scores
+from torchrec_kvemb import KVEmbeddingBagCollection, KVTableOptions, SSDOptions
 from torchrec_kvemb.checkpoint.incremental import (
     IncrementalDumper,
     RowTracker,
@@ -20,16 +24,17 @@ from torchrec_kvemb.checkpoint.incremental import (
     load_dumps_into,
 )
 from torchrec_kvemb.options import EvictionPolicy
+from torchrec_kvemb.ssd import KVStorageError
 
 
-def _ebc(optimizer="EXACT_ROWWISE_ADAGRAD"):
+def _ebc(optimizer="EXACT_ROWWISE_ADAGRAD", opts=None):
     configs = [
         EmbeddingBagConfig(
             name="user", embedding_dim=4, num_embeddings=2**63 - 1, feature_names=["u"]
         ),
         EmbeddingBagConfig(name="item", embedding_dim=3, num_embeddings=2**40, feature_names=["i"]),
     ]
-    opts = {
+    opts = opts or {
         "user": KVTableOptions(capacity=32, eviction=EvictionPolicy.LRU),
         "item": KVTableOptions(capacity=64, eviction=EvictionPolicy.LRU),
     }
@@ -159,3 +164,153 @@ def test_tracker_invalidate_resends_rows_and_evictions():
     again = tracker.diff(tables)["user"]
     assert torch.equal(again.rows["ids"], some)
     assert again.evicted.tolist() == [10**12]
+
+
+# ------------------------------------------------------------ tables with an SSD tier
+#: (table policy, SSD tier policy): the SSD tier ranks by the table's scores, or LRU
+#: (by demotion time) over an LFU table.
+SSD_POLICIES = {
+    "lru": (EvictionPolicy.LRU, EvictionPolicy.LRU),
+    "lfu": (EvictionPolicy.LFU, EvictionPolicy.LFU),
+    "lfu-ssd_lru": (EvictionPolicy.LFU, EvictionPolicy.LRU),
+}
+#: Memory rows of the dumped tables (user: 2 index buckets for ~110 ids; item: 2 for
+#: the 40 ids), and of the tables the dumps load into: as dumped, more (rows dumped
+#: from SSD land in memory), less (rows dumped from memory land on SSD).
+SSD_MEMORY = {
+    "same-memory": {"user": 32, "item": 32},
+    "more-memory": {"user": 80, "item": 64},
+    "less-memory": {"user": 16, "item": 16},
+}
+#: The dumped user table's SSD tier drops rows (ids evicted between dumps).
+DUMPED_SSD_CAPACITY = {"user": 48, "item": None}
+
+
+def _ssd_opts(path, policy, memory, ssd_capacity=None, ssd_policy=None):
+    return {
+        name: KVTableOptions(
+            capacity=memory[name],
+            eviction=policy,
+            ssd=SSDOptions(
+                path=str(path / name),
+                capacity=(ssd_capacity or {}).get(name),
+                eviction=ssd_policy or policy,
+            ),
+        )
+        for name in ("user", "item")
+    }
+
+
+def _dumped_ssd_ebc(tmp_path, policy):
+    """An SSD-tier module trained and dumped step by step; returns it."""
+    table_policy, ssd_policy = SSD_POLICIES[policy]
+    opts = _ssd_opts(
+        tmp_path / "ssd", table_policy, SSD_MEMORY["same-memory"], DUMPED_SSD_CAPACITY, ssd_policy
+    )
+    ebc = _ebc("ADAM", opts)
+    gen = torch.Generator().manual_seed(6)
+    dumper = IncrementalDumper(ebc, tmp_path / "dumps")
+    evicted_total = 0
+    for _ in range(11):
+        _step(ebc, gen)
+        manifest = dumper.dump()
+        evicted_total += manifest["tables"]["user"]["evicted"]
+    assert evicted_total > 0  # the SSD tier dropped rows between dumps
+    for name, table in ebc.kv_tables().items():
+        m = table.metrics()
+        assert m["demotions"] > 0 and m["promotions"] > 0 and m["ssd_size"] > 0, name
+    return ebc
+
+
+def _tiers(table):
+    """The ids in memory and the ids on SSD, sorted."""
+    return table.keys[table.keys >= 0].sort().values, table.ssd.export()[0].sort().values
+
+
+def _exports(ebc):
+    return {name: table.export() for name, table in ebc.kv_tables().items()}
+
+
+@pytest.mark.parametrize("memory", list(SSD_MEMORY))
+@pytest.mark.parametrize("policy", list(SSD_POLICIES))
+def test_dumps_load_into_ssd_tables_exactly(tmp_path, policy, memory):
+    ebc = _dumped_ssd_ebc(tmp_path, policy)
+    _assert_same(apply_dumps(tmp_path / "dumps"), ebc)
+
+    table_policy, ssd_policy = SSD_POLICIES[policy]
+    opts = _ssd_opts(tmp_path / "fresh", table_policy, SSD_MEMORY[memory], None, ssd_policy)
+    fresh = _ebc("ADAM", opts)
+    load_dumps_into(fresh, tmp_path / "dumps")
+    _assert_same(_exports(fresh), ebc)  # ids, rows, Adam state and scores of both tiers
+    for name, table in fresh.kv_tables().items():
+        memory_ids, ssd_ids = _tiers(table)
+        if memory != "more-memory":
+            assert memory_ids.numel() > 0 and ssd_ids.numel() > 0, name
+        assert_memory_keeps_the_highest_scores(table)
+        ids, memory_scores, _ = table.ssd.export()
+        ssd_scores = table.ssd.scores_of(table.ssd.lookup(ids))
+        if ssd_policy == table_policy:
+            assert torch.equal(ssd_scores, memory_scores), f"{name}: SSD ranks by other scores"
+        else:  # LRU over LFU: the time rows reached the SSD tier (dumps hold no step)
+            assert bool((ssd_scores == table.step).all()), name
+        if policy == "lru" and memory == "same-memory":
+            for got, want in zip(_tiers(table), _tiers(ebc.table(name)), strict=True):
+                assert torch.equal(got, want), f"table {name!r}: the tiers hold other ids"
+
+
+#: errno of a failing slab growth, and the reason the error gives.
+SSD_WRITE_ERRORS = {
+    "no-space-left": (errno.ENOSPC, "no space left on device"),
+    "read-only-file-system": (errno.EROFS, os.strerror(errno.EROFS)),
+}
+
+
+@pytest.mark.parametrize("err", list(SSD_WRITE_ERRORS))
+@pytest.mark.parametrize("failing", ["user", "item"])
+def test_ssd_write_failure_in_load_leaves_every_table_empty(tmp_path, monkeypatch, failing, err):
+    ebc = _dumped_ssd_ebc(tmp_path, "lru")
+    fresh = _ebc(
+        "ADAM", _ssd_opts(tmp_path / "fresh", EvictionPolicy.LRU, SSD_MEMORY["less-memory"])
+    )
+    fd = fresh.table(failing).ssd.slab._files.fd
+    fallocate = slab_module._fallocate
+    code, reason = SSD_WRITE_ERRORS[err]
+
+    def fail_on_one_table(at, offset, length):
+        if at == fd:
+            raise OSError(code, os.strerror(code))
+        fallocate(at, offset, length)
+
+    monkeypatch.setattr(slab_module, "_fallocate", fail_on_one_table)
+    with pytest.raises(KVStorageError, match=rf"table '{failing}'.*{reason}"):
+        load_dumps_into(fresh, tmp_path / "dumps")
+    for name, table in fresh.kv_tables().items():
+        assert table.size == 0 and table.ssd.size == 0, f"table {name!r} changed"
+        assert table.export()["ids"].numel() == 0, name
+    monkeypatch.undo()  # room again: the same load goes through
+    load_dumps_into(fresh, tmp_path / "dumps")
+    _assert_same(_exports(fresh), ebc)
+
+
+def test_load_into_ssd_tables_checks_room_and_emptiness_first(tmp_path):
+    ebc = _dumped_ssd_ebc(tmp_path, "lfu")
+    small = {"user": 16, "item": 16}
+    fresh = _ebc(
+        "ADAM", _ssd_opts(tmp_path / "small", EvictionPolicy.LFU, small, {"user": 17, "item": None})
+    )
+    with pytest.raises(RuntimeError, match=r"table 'user': \d+ dumped rows do not fit"):
+        load_dumps_into(fresh, tmp_path / "dumps")
+    assert all(t.size == 0 and t.ssd.size == 0 for t in fresh.kv_tables().values())
+
+    # Rows on SSD only (memory empty) still make a table non-empty.
+    other = _ebc(
+        "ADAM", _ssd_opts(tmp_path / "other", EvictionPolicy.LFU, SSD_MEMORY["same-memory"])
+    )
+    item = other.table("item")
+    item.ssd.put(
+        torch.tensor([5]), torch.tensor([1]), torch.tensor([1]), torch.zeros(1, item.dim * 3)
+    )
+    with pytest.raises(ValueError, match=r"table 'item' is not empty \(1 ids\)"):
+        load_dumps_into(other, tmp_path / "dumps")
+    assert other.table("user").export()["ids"].numel() == 0
+    _assert_same(apply_dumps(tmp_path / "dumps"), ebc)

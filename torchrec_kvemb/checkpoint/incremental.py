@@ -302,17 +302,28 @@ def apply_dumps(directory: str | os.PathLike[str]) -> dict[str, dict[str, torch.
 
 def load_dumps_into(module: HasKVTables, directory: str | os.PathLike[str]) -> None:
     """Insert the content ``apply_dumps(directory)`` rebuilds into ``module``'s
-    tables, with optimizer state and eviction scores. The tables must be empty and
-    match the dumped ones (names, dims, optimizer); raises ``ValueError`` otherwise,
-    before anything is inserted. Rows a table has no room for raise ``RuntimeError``."""
+    tables, with optimizer state and eviction scores. The tables must be empty (both
+    tiers) and match the dumped ones (names, dims, optimizer); raises ``ValueError``
+    otherwise, before anything is inserted. Rows a table has no room for raise
+    ``RuntimeError``: before anything is inserted where they outnumber its capacity
+    (memory, plus ``SSDOptions.capacity`` when set), else when an index bucket
+    overflows (tables inserted before it keep their rows).
+
+    With an SSD tier, every row keeps its dumped score in whichever tier it lands:
+    each index bucket keeps its rows of the highest scores in memory and the others
+    go to the SSD tier (``KVTable.insert(..., exact_scores=True)``, as a checkpoint
+    load places them). Disk records for the rows of every SSD table are reserved
+    before any table changes, so a full disk raises ``KVStorageError`` (naming the
+    table and its file) with every table as it was."""
     content = apply_dumps(directory)
     tables = module.kv_tables()
     for name, rows in content.items():
         table = tables.get(name)
         if table is None:
             raise ValueError(f"dumped table {name!r} is not in the module")
-        if table.size != 0:
-            raise ValueError(f"table {name!r} is not empty ({table.size} ids)")
+        stored = table.size + (0 if table.ssd is None else table.ssd.size)
+        if stored != 0:
+            raise ValueError(f"table {name!r} is not empty ({stored} ids)")
         if rows["weights"].shape[1:] != (table.dim,):
             raise ValueError(
                 f"table {name!r}: dumped dim {tuple(rows['weights'].shape[1:])} != {table.dim}"
@@ -320,17 +331,40 @@ def load_dumps_into(module: HasKVTables, directory: str | os.PathLike[str]) -> N
         names = table.optim.state_names()
         if set(rows) != {"ids", "weights", "scores", *names}:
             raise ValueError(f"table {name!r}: dumped optimizer state does not match {names}")
+        room = _room(table)
+        if room is not None and rows["ids"].numel() > room:
+            raise RuntimeError(
+                f"table {name!r}: {rows['ids'].numel()} dumped rows do not fit its "
+                f"capacity of {room} rows"
+            )
+    for name, rows in content.items():
+        tier = tables[name].ssd
+        if tier is not None:
+            # A full disk raises here, before any table changes.
+            tier.reserve(rows["ids"].numel())
     for name, rows in content.items():
         table = tables[name]
+        n = rows["ids"].numel()
+        if n == 0:
+            continue
         names = table.optim.state_names()
         state = None
         if names:
-            parts = [rows[n] if rows[n].dim() == 2 else rows[n].unsqueeze(1) for n in names]
+            parts = [rows[k] if rows[k].dim() == 2 else rows[k].unsqueeze(1) for k in names]
             state = torch.cat(parts, dim=1)
-        if rows["ids"].numel() == 0:
-            continue
-        slots = table.insert(rows["ids"], rows["weights"], state, rows["scores"])
-        stored = slots >= 0
-        if not bool(stored.all()):
-            raise RuntimeError(f"table {name!r}: {int((~stored).sum())} rows found no room")
-        table.scores.view(-1)[slots] = rows["scores"].to(table.scores)
+        slots = table.insert(rows["ids"], rows["weights"], state, rows["scores"], exact_scores=True)
+        if table.ssd is None:
+            lost = int((slots < 0).sum())
+        else:
+            lost = n - table.size - table.ssd.size
+        if lost:
+            raise RuntimeError(f"table {name!r}: {lost} rows found no room")
+
+
+def _room(table: KVTable) -> int | None:
+    """Rows ``table`` can hold at most, None when its SSD tier grows as needed."""
+    if table.ssd is None:
+        return table.capacity
+    if table.options.ssd.capacity is None:
+        return None
+    return table.capacity + table.ssd.capacity
