@@ -169,11 +169,8 @@ class ShardedKVEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def kv_tables(self) -> dict[str, KVTable]:
         """This rank's KV table shards by table name (tables with no shard here are absent)."""
         tables: dict[str, KVTable] = {}
-        for lookup in self._lookups:
-            while isinstance(lookup, nn.parallel.DistributedDataParallel):
-                lookup = lookup.module
-            if isinstance(lookup, KVGroupedPooledEmbeddingsLookup):
-                tables.update(lookup.kv_tables())
+        for lookup in self._kv_lookups():
+            tables.update(lookup.kv_tables())
         return tables
 
     def kv_fused_optimizers(self) -> dict[str, KVFusedOptimizer]:
@@ -181,12 +178,19 @@ class ShardedKVEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         of this rank's KV table shards, by table name; tables of one grouped config
         share one."""
         optimizers: dict[str, KVFusedOptimizer] = {}
+        for lookup in self._kv_lookups():
+            optimizers.update(lookup.kv_fused_optimizers())
+        return optimizers
+
+    def _kv_lookups(self) -> list[KVGroupedPooledEmbeddingsLookup]:
+        """The lookups that hold KV tables (unwrapped from DDP)."""
+        found = []
         for lookup in self._lookups:
             while isinstance(lookup, nn.parallel.DistributedDataParallel):
                 lookup = lookup.module
             if isinstance(lookup, KVGroupedPooledEmbeddingsLookup):
-                optimizers.update(lookup.kv_fused_optimizers())
-        return optimizers
+                found.append(lookup)
+        return found
 
     def metrics(self) -> dict[str, dict[str, float]]:
         """``KVTable.metrics()`` of this rank's shards, by table name."""
