@@ -262,13 +262,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     args = parse_args()
-    if "RANK" not in os.environ:
-        from torch.distributed.run import main as torchrun
-
-        world = args.world_size or 1
-        torchrun(
-            ["--standalone", f"--nproc_per_node={world}", os.path.abspath(__file__)] + sys.argv[1:]
-        )
+    if td.relaunched_under_torchrun(__file__, args.world_size or 1):
         return
     reshard(args)
 

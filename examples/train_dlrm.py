@@ -801,15 +801,21 @@ def main() -> None:
     if args.reload_only:
         reload(args)
         return
-    if "RANK" not in os.environ:
-        from torch.distributed.run import main as torchrun
-
-        world = args.world_size or 2
-        torchrun(
-            ["--standalone", f"--nproc_per_node={world}", os.path.abspath(__file__)] + sys.argv[1:]
-        )
+    if relaunched_under_torchrun(__file__, args.world_size or 2):
         return
     train(args)
+
+
+def relaunched_under_torchrun(script: str, world: int) -> bool:
+    """Outside torchrun (no ``RANK``): run ``script`` with this command line on
+    ``world`` local processes through torchrun and return True once they end;
+    under torchrun, return False (this process is one of the ranks)."""
+    if "RANK" in os.environ:
+        return False
+    from torch.distributed.run import main as torchrun
+
+    torchrun(["--standalone", f"--nproc_per_node={world}", os.path.abspath(script)] + sys.argv[1:])
+    return True
 
 
 if __name__ == "__main__":

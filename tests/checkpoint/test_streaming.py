@@ -5,21 +5,9 @@ import time
 
 import pytest
 import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from tests.checkpoint.test_incremental import _ebc
+from tests.checkpoint.test_incremental import _ebc, _step
 from torchrec_kvemb.checkpoint.streaming import CallableSink, EmbeddingStreamer, FileSink
-
-
-def _step(ebc, gen):
-    users = torch.randint(0, 400, (12,), generator=gen)
-    items = torch.randint(0, 40, (6,), generator=gen)
-    kjt = KeyedJaggedTensor.from_lengths_sync(
-        keys=["u", "i"],
-        values=torch.cat([users, items]),
-        lengths=torch.tensor([3, 3, 3, 3, 2, 2, 1, 1]),
-    )
-    ebc(kjt).values().square().sum().backward()
 
 
 def _replay(batches):
