@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from torchrec_kvemb.kernels.probe import BLOCK_IDS, probe_block
-from torchrec_kvemb.ops.insert import InsertResult, _stable_argsort
+from torchrec_kvemb.ops.contracts import InsertResult
+from torchrec_kvemb.ops.contracts import stable_argsort as _stable_argsort
 
 
 @triton.jit

@@ -21,8 +21,7 @@ import triton
 import triton.language as tl
 
 from torchrec_kvemb.kernels.hashing import init_values
-from torchrec_kvemb.ops.hashing import seed_mix
-from torchrec_kvemb.ops.pooled_lookup import InitSpec, bag_scale
+from torchrec_kvemb.ops.contracts import InitSpec, bag_scale, seed_mix
 
 # why 128: a warp reads 128 fp32 columns (512 B) of a row as whole cache
 # lines; wider tables take more column blocks, i.e. more programs per bag.

@@ -19,7 +19,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-import torchrec_kvemb.lookup as lookup_module
+import torchrec_kvemb.ops.dispatch as dispatch_module
 from torchrec_kvemb import KVEmbeddingBagCollection, KVTableOptions
 
 ROWS = (37, 23)
@@ -89,7 +89,7 @@ CASES = [
 @pytest.mark.parametrize("pooling,weighted,optim", CASES)
 def test_matches_fbgemm_tbe(pooling, weighted, optim, path, monkeypatch):
     if path == "torch-reference":
-        monkeypatch.setattr(lookup_module, "fbgemm_supports", lambda *a: False)
+        monkeypatch.setattr(dispatch_module, "fbgemm_supports", lambda *a: False)
     tbe, kv = _build(pooling, weighted, optim)
     gen = torch.Generator().manual_seed(1)
     for step in range(4):

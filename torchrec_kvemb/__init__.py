@@ -1,7 +1,8 @@
 """Key-value, zero-collision embedding tables for TorchRec."""
 
 from torchrec_kvemb.ebc import KVEmbeddingBagCollection
-from torchrec_kvemb.ops.block_bucketize import BucketizeResult, block_bucketize_2d
+from torchrec_kvemb.ops.contracts import BucketizeResult
+from torchrec_kvemb.ops.dispatch import block_bucketize_2d
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import (
     EvictionPolicy,
@@ -11,6 +12,7 @@ from torchrec_kvemb.options import (
 )
 from torchrec_kvemb.sharding import KVEmbeddingBagCollectionSharder
 from torchrec_kvemb.table import KVTable
+from torchrec_kvemb.tiered import TieredKVTable
 from torchrec_kvemb.validation import KVInputError
 
 __all__ = [
@@ -25,4 +27,5 @@ __all__ = [
     "KVTable",
     "KVTableOptions",
     "SSDOptions",
+    "TieredKVTable",
 ]

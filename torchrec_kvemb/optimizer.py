@@ -8,14 +8,22 @@ no ``.grad`` is ever materialized for them. Its state lives beside each row,
 * ``EXACT_ROWWISE_ADAGRAD`` (or ``ROWWISE_ADAGRAD``): one float, the running
   sum of the row's mean squared gradient.
 * ``ADAM``: ``2 * dim`` floats, first and second moments.
+
+The config owns that layout: ``state_shapes`` names the state tensors a table
+exports (``momentum1 [n]``, ``exp_avg [n, dim]``...), ``split_state`` and
+``join_state`` convert between them and the table's ``[n, state_dim]`` rows.
+Its ``learning_rate`` is the rate a table starts with; a table's current rate
+lives in its param group (``KVTable.learning_rate``).
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 
@@ -41,17 +49,20 @@ _KINDS = {
     EmbOptimType.ADAM: OptimKind.ADAM,
 }
 
-_KNOWN_KEYS = {
-    "optimizer",
-    "learning_rate",
-    "eps",
-    "beta1",
-    "beta2",
-    "weight_decay",
-    "weight_decay_mode",
-    "gradient_clipping",
-    "max_gradient",
-}
+#: The ``fused_params`` keys that describe the update.
+OPTIMIZER_KEYS = frozenset(
+    {
+        "optimizer",
+        "learning_rate",
+        "eps",
+        "beta1",
+        "beta2",
+        "weight_decay",
+        "weight_decay_mode",
+        "gradient_clipping",
+        "max_gradient",
+    }
+)
 # Keys TorchRec sharders pass around that do not change the update.
 _IGNORED_KEYS = {
     "output_dtype",
@@ -87,7 +98,7 @@ class FusedOptimConfig:
     def from_fused_params(cls, fused_params: dict[str, Any] | None) -> FusedOptimConfig:
         """Read TorchRec's ``fused_params`` conventions; unknown keys are an error."""
         params = dict(fused_params or {})
-        unknown = set(params) - _KNOWN_KEYS - _IGNORED_KEYS
+        unknown = set(params) - OPTIMIZER_KEYS - _IGNORED_KEYS
         if unknown:
             raise ValueError(f"fused_params: unsupported keys {sorted(unknown)}")
         kind = cls.kind
@@ -121,12 +132,37 @@ class FusedOptimConfig:
 
     def state_dim(self, dim: int) -> int:
         """Floats of optimizer state stored per row."""
-        return {OptimKind.SGD: 0, OptimKind.ROWWISE_ADAGRAD: 1, OptimKind.ADAM: 2 * dim}[self.kind]
+        return sum(math.prod(shape) for shape in self.state_shapes(dim).values())
 
     def state_names(self) -> list[str]:
         """Names of the state tensors in exports and state_dicts."""
-        return {
-            OptimKind.SGD: [],
-            OptimKind.ROWWISE_ADAGRAD: ["momentum1"],
-            OptimKind.ADAM: ["exp_avg", "exp_avg_sq"],
-        }[self.kind]
+        return list(_STATE_NAMES[self.kind])
+
+    def state_shapes(self, dim: int) -> dict[str, tuple[int, ...]]:
+        """Each named state tensor's shape per row: ``()`` (one float) or ``(dim,)``."""
+        per_row = {"momentum1": (), "exp_avg": (dim,), "exp_avg_sq": (dim,)}
+        return {name: per_row[name] for name in _STATE_NAMES[self.kind]}
+
+    def split_state(self, state: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
+        """The named state tensors (views) of state rows ``[n, state_dim]``."""
+        out, start = {}, 0
+        for name, shape in self.state_shapes(dim).items():
+            width = math.prod(shape)
+            part = state[:, start : start + width]
+            out[name] = part[:, 0] if shape == () else part
+            start += width
+        return out
+
+    def join_state(self, named: dict[str, torch.Tensor], dim: int) -> torch.Tensor | None:
+        """State rows ``[n, state_dim]`` from the named tensors (None for SGD)."""
+        shapes = self.state_shapes(dim)
+        if not shapes:
+            return None
+        return torch.cat([named[n].reshape(-1, math.prod(s)) for n, s in shapes.items()], dim=1)
+
+
+_STATE_NAMES = {
+    OptimKind.SGD: (),
+    OptimKind.ROWWISE_ADAGRAD: ("momentum1",),
+    OptimKind.ADAM: ("exp_avg", "exp_avg_sq"),
+}

@@ -1,70 +1,30 @@
-"""One shard of one KV table: a bucketed id index over value rows.
+"""One shard of one KV table in memory: a bucketed id index over value rows.
 
-Memory per row (capacity): ``4 * dim`` bytes of weights, ``4 * state_dim``
-bytes of optimizer state, 8 bytes of key and 8 of score. An admission counter
-(when ``admission_threshold > 1``) adds 24 bytes per counted id.
-
-With ``options.ssd`` the rows in memory are a cache over an SSD tier
-(``torchrec_kvemb.ssd``): a row evicted from memory is written there with its
-optimizer state (demotion), and an id missing from memory but held there comes
-back with its row and state (promotion); the two tiers never hold the same id.
-Those paths live in ``torchrec_kvemb.ssd.tiered``; see docs/ssd-tier.md.
+Memory per row of capacity: see ``torchrec_kvemb.memory``. With
+``options.ssd`` the constructor builds a ``TieredKVTable``
+(``torchrec_kvemb/tiered.py``): the same table over a lower tier on disk.
 """
 
 from __future__ import annotations
 
-import math
-from typing import NamedTuple
+from dataclasses import replace
+from typing import Any, ClassVar
 
 import torch
 
-from torchrec_kvemb.ops.hashing import init_rows, seed_mix
-from torchrec_kvemb.ops.insert import InsertResult, insert, remove
-from torchrec_kvemb.ops.pooled_lookup import InitSpec
-from torchrec_kvemb.ops.probe import probe
+from torchrec_kvemb.index import BucketIndex
+from torchrec_kvemb.memory import bytes_per_row, resolve_capacity, table_memory
+from torchrec_kvemb.ops.contracts import InitSpec, InsertResult, seed_mix
+from torchrec_kvemb.ops.hashing import init_rows, route_bucket
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import WAYS, EvictionPolicy, Initializer, KVTableOptions
-from torchrec_kvemb.ssd import tiered
-from torchrec_kvemb.ssd.tier import COUNTERS as SSD_COUNTERS
-from torchrec_kvemb.ssd.tier import SSDTier
+from torchrec_kvemb.ssd.store import COUNTERS as SSD_COUNTERS
 from torchrec_kvemb.validation import KVInputError, check_ids, check_rows
 
-INDEX_BYTES_PER_ROW = 16
-COUNTER_BYTES_PER_ID = 24
+__all__ = ["KVTable", "bytes_per_row", "resolve_capacity"]
 
-
-def bytes_per_row(dim: int, state_dim: int) -> int:
-    """Memory one row of capacity costs: weights, optimizer state, key and score."""
-    return 4 * dim + 4 * state_dim + INDEX_BYTES_PER_ROW
-
-
-def resolve_capacity(options: KVTableOptions, dim: int, state_dim: int) -> int:
-    """Rows the table holds: ``capacity`` or what fits ``memory_budget_bytes``, in whole buckets."""
-    if options.capacity is not None:
-        rows = options.capacity
-    else:
-        rows = options.memory_budget_bytes // bytes_per_row(dim, state_dim)
-        if rows < WAYS:
-            raise ValueError(
-                f"memory_budget_bytes={options.memory_budget_bytes} holds fewer than {WAYS} rows "
-                f"of {bytes_per_row(dim, state_dim)} bytes"
-            )
-        return (rows // WAYS) * WAYS
-    return math.ceil(rows / WAYS) * WAYS
-
-
-class _Index(NamedTuple):
-    keys: torch.Tensor
-    scores: torch.Tensor
-
-
-def _new_index(capacity: int, device: torch.device) -> _Index:
-    buckets = max(1, capacity // WAYS)
-    keys = torch.full((buckets, WAYS), -1, dtype=torch.int64, device=device)
-    return _Index(keys, torch.zeros_like(keys))
-
-
-_METRIC_NAMES = (
+#: Counters every table keeps (``metrics()``); a tiered table adds its tier's.
+METRIC_NAMES = (
     "hits",
     "misses",
     "inserts",
@@ -78,12 +38,23 @@ _METRIC_NAMES = (
 )
 
 
+def max_per_unique(
+    scores: torch.Tensor | None, inverse: torch.Tensor, num_unique: int
+) -> torch.Tensor | None:
+    """The largest of each unique id's per-occurrence ``scores`` (None stays None)."""
+    if scores is None:
+        return None
+    out = torch.full((num_unique,), torch.iinfo(torch.int64).min, device=inverse.device)
+    return out.scatter_reduce_(0, inverse, scores.to(torch.int64), reduce="amax")
+
+
 class KVTable:
     """A key-value, zero-collision embedding table (one shard).
 
     Ids are int64 >= 0 of any size; two ids never share a row. Rows live in
     ``weights [capacity, dim]`` and ``state [capacity, state_dim]``, addressed by
-    the slot the index gives an id.
+    the slot the index (``index``, a :class:`~torchrec_kvemb.index.BucketIndex`)
+    gives an id.
 
     Example::
 
@@ -91,14 +62,30 @@ class KVTable:
         table.insert(torch.tensor([7, 2**40]), torch.ones(2, 8))
         rows, found = table.find(torch.tensor([7, 3]))   # found == [True, False]
 
-    With an SSD tier (files ``<path>/<name>.rank<rank>.*``; ``rank`` defaults to
-    the process's rank in torch.distributed, else 0)::
+    With ``options.ssd`` this builds a ``TieredKVTable`` (files
+    ``<path>/<name>.rank<rank>.*``; ``rank`` defaults to the process's rank in
+    torch.distributed, else 0)::
 
         table = KVTable("user", 8, KVTableOptions(capacity=1000, ssd=SSDOptions("/mnt/ssd")))
         table.prefetch(next_ids)   # optional: read the next batch's SSD rows ahead
         table.flush()              # every row durable; reopening the path restores them
         table.close()
     """
+
+    #: The subclass that serves ``options.ssd`` (set by ``torchrec_kvemb.tiered``).
+    _tiered_class: ClassVar[type[KVTable] | None] = None
+
+    def __init_subclass__(cls, serves_ssd: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if serves_ssd:
+            KVTable._tiered_class = cls
+
+    def __new__(cls, name: str, dim: int, options: KVTableOptions, *args: Any, **kwargs: Any):
+        if cls is KVTable and getattr(options, "ssd", None) is not None:
+            if KVTable._tiered_class is None:
+                raise RuntimeError("an SSD tier needs torchrec_kvemb.tiered: import it first")
+            return super().__new__(KVTable._tiered_class)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -114,48 +101,52 @@ class KVTable:
         self.name = name
         self.dim = dim
         self.options = options
-        self.optim = optim or FusedOptimConfig()
+        self._optim = optim or FusedOptimConfig()
+        self._param_group: dict[str, Any] = {"lr": self._optim.learning_rate}
         self.device = torch.device(device or "cpu")
-        self.state_dim = self.optim.state_dim(dim)
-        self.capacity = resolve_capacity(options, dim, self.state_dim)
-        self._index = _new_index(self.capacity, self.device)
+        self._memory = table_memory(options, dim, self._optim)
+        self.state_dim = self._memory.state_dim
+        self.capacity = self._memory.rows
+        self.index = BucketIndex.empty(self.capacity // WAYS, self.device)
         self.weights = torch.zeros(self.capacity, dim, dtype=torch.float32, device=self.device)
         self.state = torch.zeros(
             self.capacity, self.state_dim, dtype=torch.float32, device=self.device
         )
-        counter_rows = options.admission_counter_capacity or self.capacity
-        self._counter = (
-            _new_index(math.ceil(counter_rows / WAYS) * WAYS, self.device)
-            if options.admission_threshold > 1
-            else None
-        )
-        self._counts = (
-            torch.zeros(self._counter.keys.numel(), dtype=torch.int64, device=self.device)
-            if self._counter is not None
+        counted = self._memory.counter_ids
+        self.counter = BucketIndex.empty(counted // WAYS, self.device) if counted else None
+        self.counts = (
+            torch.zeros(self.counter.slots, dtype=torch.int64, device=self.device)
+            if self.counter is not None
             else None
         )
         self.step = 0  # training lookups so far: the LRU clock
         self.optim_step = 0  # optimizer steps so far: Adam's bias correction
-        self._metrics = dict.fromkeys(_METRIC_NAMES, 0)
-        self._ssd: SSDTier | None = None
-        if options.ssd is not None:
-            self._ssd = tiered.open_tier(self, options.ssd, rank)
+        self._metrics = dict.fromkeys(METRIC_NAMES, 0)
 
     # ----------------------------------------------------------------- views
     @property
     def keys(self) -> torch.Tensor:
         """The index's keys ``[buckets, WAYS]``, -1 where empty (read-only use)."""
-        return self._index.keys
+        return self.index.keys
 
     @property
     def scores(self) -> torch.Tensor:
         """Eviction scores ``[buckets, WAYS]`` beside ``keys``."""
-        return self._index.scores
+        return self.index.scores
 
     @property
     def size(self) -> int:
         """Ids stored."""
-        return int((self._index.keys >= 0).sum())
+        return self.index.size
+
+    @property
+    def total_size(self) -> int:
+        """Ids stored in every tier."""
+        return self.size
+
+    def room(self) -> int | None:
+        """Rows the table can hold at most in all its tiers (None: no bound)."""
+        return self.capacity
 
     @property
     def init_spec(self) -> InitSpec:
@@ -168,29 +159,61 @@ class KVTable:
     def seed_mix(self) -> int:
         return seed_mix(self.options.seed)
 
+    @property
+    def ssd(self) -> Any:
+        """The lower tier under the in-memory rows (``TieredKVTable``), else None."""
+        return None
+
     def memory_bytes(self) -> int:
         """Bytes of memory the table holds (rows, index, admission counter)."""
-        total = self.capacity * bytes_per_row(self.dim, self.state_dim)
-        if self._counter is not None:
-            total += self._counter.keys.numel() * COUNTER_BYTES_PER_ID
-        return total
+        return self._memory.bytes
 
     def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows ``ids`` get when they are first stored."""
         spec = self.init_spec
         return init_rows(ids, self.dim, spec.seed, spec.normal, spec.a, spec.b)
 
+    # ------------------------------------------------------------- optimizer
+    @property
+    def optim(self) -> FusedOptimConfig:
+        """The fused optimizer, with the table's current learning rate."""
+        lr = float(self._param_group["lr"])
+        if lr != self._optim.learning_rate:
+            self._optim = replace(self._optim, learning_rate=lr)
+        return self._optim
+
+    @optim.setter
+    def optim(self, config: FusedOptimConfig) -> None:
+        if config.state_names() != self._optim.state_names():
+            raise ValueError(
+                f"table {self.name!r}: the optimizer keeps state {self._optim.state_names()}; "
+                f"a table cannot change to one keeping {config.state_names()}"
+            )
+        self._optim = config
+        self._param_group["lr"] = config.learning_rate
+
+    @property
+    def learning_rate(self) -> float:
+        """The learning rate of the next update: ``lr`` of the table's param group (its
+        own, or that of the fused optimizer the table was given to)."""
+        return float(self._param_group["lr"])
+
+    @learning_rate.setter
+    def learning_rate(self, value: float) -> None:
+        self._param_group["lr"] = float(value)
+
+    def use_param_group(self, group: dict[str, Any]) -> None:
+        """Read the learning rate from ``group["lr"]`` from now on (a fused optimizer's
+        param group, which the user may change between steps)."""
+        self._param_group = group
+
     # ------------------------------------------------------------ public API
     def find(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read-only lookup: ``(rows [n, dim], found [n])``; missing rows are zeros.
-
-        With an SSD tier, rows held there are read (not promoted)."""
+        """Read-only lookup: ``(rows [n, dim], found [n])``; missing rows are zeros."""
         ids = check_ids(self.name, ids).to(self.device)
-        slots = probe(self._index.keys, ids)
+        slots = self.index.probe(ids)
         found = slots >= 0
         rows = self.weights.index_select(0, slots.clamp(min=0)) * found.unsqueeze(1)
-        if self._ssd is not None and not bool(found.all()):
-            tiered.find(self, ids, rows, found)
         return rows, found
 
     def insert(
@@ -205,8 +228,8 @@ class KVTable:
         """Store rows for unique ``ids`` (overwriting stored ones); returns their slots.
 
         The eviction policy applies when a bucket is full; an id that finds no
-        room gets slot -1 and is counted in ``insert_failures``. With an SSD tier,
-        rows that find no memory row go to the SSD tier (slot -1 too).
+        room gets slot -1 and is counted in ``insert_failures`` (with an SSD tier,
+        its row goes there).
 
         ``scores`` are custom scores, used by ``CUSTOM_SCORE`` tables only (LRU
         rows get the current step; LFU adds a count of 1). With ``exact_scores``
@@ -215,6 +238,28 @@ class KVTable:
         stored as they are, in whichever tier a row lands (as a checkpoint load
         restores saved scores).
         """
+        ids, values = self._checked_insert(ids, weights, state, scores, exact_scores)
+        result = self.insert_ids(ids, values)
+        stored = result.slots >= 0
+        slots = result.slots[stored]
+        if exact_scores:  # an LFU hit added its value to the stored count
+            self.index.set_scores(slots, values[stored])
+        self.weights.index_copy_(0, slots, weights.to(self.weights)[stored.to(weights.device)])
+        if state is not None:
+            self.state.index_copy_(0, slots, state.to(self.state)[stored.to(state.device)])
+        elif self.state_dim:
+            self.state.index_fill_(0, slots, 0.0)
+        return result.slots
+
+    def _checked_insert(
+        self,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        state: torch.Tensor | None,
+        scores: torch.Tensor | None,
+        exact_scores: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``insert``'s checks: the ids (int64, on the device) and their score values."""
         ids = check_ids(self.name, ids).to(self.device)
         check_rows(self.name, weights, ids.numel(), self.dim)
         if state is not None:
@@ -229,87 +274,59 @@ class KVTable:
         if ids.numel() != torch.unique(ids).numel():
             raise KVInputError(f"table {self.name!r}: insert needs unique ids")
         if exact_scores:
-            values = scores.to(device=self.device, dtype=torch.int64)
-        else:
-            values = self._score_values(ids, torch.ones_like(ids), scores)
-        if self._ssd is not None:
-            return tiered.insert(self, ids, values, weights, state, exact_scores)
-        result = self._insert(ids, values)
-        stored = result.slots >= 0
-        slots = result.slots[stored]
-        if exact_scores:  # an LFU hit added its value to the stored count
-            self._index.scores.view(-1).index_copy_(0, slots, values[stored])
-        self.weights.index_copy_(0, slots, weights.to(self.weights)[stored.to(weights.device)])
-        if state is not None:
-            self.state.index_copy_(0, slots, state.to(self.state)[stored.to(state.device)])
-        elif self.state_dim:
-            self.state.index_fill_(0, slots, 0.0)
-        return result.slots
+            return ids, scores.to(device=self.device, dtype=torch.int64)
+        return ids, self.score_values(ids, torch.ones_like(ids), scores)
 
-    def export(self) -> dict[str, torch.Tensor]:
-        """Every stored id with its row, score and optimizer state, sorted by id
-        (with an SSD tier: the ids of both tiers)."""
-        flat_keys = self._index.keys.view(-1)
-        slots = (flat_keys >= 0).nonzero().squeeze(1)
-        ids, order = torch.sort(flat_keys[slots])
+    def export(self, route_buckets: int | None = None) -> dict[str, torch.Tensor]:
+        """Every stored id with its row, score and optimizer state, sorted by id (or,
+        with ``route_buckets = G``, by routing bucket among ``G``, then id: the
+        order of a checkpoint)."""
+        slots = self.index.live_slots()
+        ids, order = torch.sort(self.index.ids_at(slots))
+        if route_buckets is not None:
+            # why before gathering: each row is gathered once (export then reorder
+            # gathered twice: 1.3 s instead of 0.6 s for 1M rows of dim 64).
+            by_bucket = torch.sort(route_bucket(ids, route_buckets), stable=True).indices
+            ids, order = ids[by_bucket], order[by_bucket]
         slots = slots[order]
-        weights = self.weights.index_select(0, slots)
-        scores = self._index.scores.view(-1).index_select(0, slots)
-        state = self.state.index_select(0, slots)
-        if self._ssd is not None:
-            ids, weights, scores, state = tiered.export(self, ids, weights, scores, state)
-        out = {"ids": ids, "weights": weights, "scores": scores}
-        names = self.optim.state_names()
-        if len(names) == 1:
-            out[names[0]] = state[:, 0]
-        elif names:
-            out[names[0]] = state[:, : self.dim]
-            out[names[1]] = state[:, self.dim :]
+        out = {
+            "ids": ids,
+            "weights": self.weights.index_select(0, slots),
+            "scores": self.index.scores_at(slots),
+        }
+        out.update(self.optim.split_state(self.state.index_select(0, slots), self.dim))
         return out
 
     def metrics(self) -> dict[str, float]:
         """Counters since creation, plus ``size``, ``capacity`` and ``load_factor`` (of
         the in-memory tier) and ``ssd_size`` (see docs/ssd-tier.md for the SSD ones)."""
         out: dict[str, float] = dict(self._metrics)
-        if self._ssd is not None:
-            out.update(self._ssd.counters, ssd_size=self._ssd.size)
-        else:
-            out.update(dict.fromkeys(SSD_COUNTERS, 0), ssd_size=0)
+        out.update(self.tier_metrics())
         size = self.size
         out.update(size=size, capacity=self.capacity, load_factor=size / self.capacity)
         return out
 
-    # -------------------------------------------------------------- SSD tier
-    @property
-    def ssd(self) -> SSDTier | None:
-        """The SSD tier under the in-memory rows, or None."""
-        return self._ssd
+    def tier_metrics(self) -> dict[str, float]:
+        """The lower tier's counters (zeros without one) and ``ssd_size``."""
+        return {**dict.fromkeys(SSD_COUNTERS, 0), "ssd_size": 0}
 
+    def count(self, metric: str, n: int) -> None:
+        """Add ``n`` to the counter ``metric`` (one of ``METRIC_NAMES``)."""
+        self._metrics[metric] += n
+
+    # ------------------------------------------------- tier-free operations
     def prefetch(self, ids: torch.Tensor) -> None:
-        """Start reading, on a background thread, the SSD rows of ids a coming
-        lookup will need (those not in memory now); the next lookup uses them if
-        they are still current. A no-op without an SSD tier."""
-        if self._ssd is None:
-            return
-        tiered.prefetch(self, ids)
+        """Start reading a coming batch's rows from the lower tier (a no-op without one)."""
 
     def flush(self) -> None:
-        """Make every row durable: the SSD tier's and the in-memory ones (written to
-        the slab as a snapshot), then the index, atomically. Reopening the SSD path
-        after this returns restores the table as of now (rows, optimizer state,
-        scores, step counters; admission counts restart). A no-op without an SSD
-        tier. Raises ``KVStorageError`` (naming the table and file) on an I/O
-        error; the previous flush then stays the durable one."""
-        if self._ssd is None:
-            return
-        tiered.flush(self)
+        """Make every row durable in the lower tier (a no-op without one)."""
 
     def close(self) -> None:
-        """``flush()``, then close the SSD tier's files (a no-op without one, or
-        when closed already). The table cannot be used afterwards."""
-        if self._ssd is None:
-            return
-        tiered.close(self)
+        """Flush and close the lower tier (a no-op without one)."""
+
+    def reserve(self, n: int) -> None:
+        """Room in the lower tier for ``n`` rows before anything changes (a no-op
+        without one)."""
 
     # ------------------------------------------------------- training lookups
     def lookup_train(self, ids: torch.Tensor, custom_scores: torch.Tensor | None = None):
@@ -318,54 +335,29 @@ class KVTable:
         Returns ``slots [n]``: -1 for ids that hold no row (not yet admitted, or no
         room); they pool their initial value and their gradient is dropped.
         """
-        if self._ssd is not None:
-            return tiered.lookup_train(self, ids, custom_scores)
         self.step += 1
         uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
-        scores_u = None
-        if custom_scores is not None:
-            scores_u = torch.full_like(uniq, torch.iinfo(torch.int64).min)
-            scores_u.scatter_reduce_(0, inverse, custom_scores.to(torch.int64), reduce="amax")
-        values = self._score_values(uniq, counts, scores_u)
-        if self._counter is None:
-            # why: every id is a candidate; skipping the masks saves ~2 ms per 80k ids.
-            result = self._insert(uniq, values)
-            slots_u, new_ids, hit_u = result.slots, uniq[result.inserted], result.hit
-        else:
-            candidates = self._admit(uniq, counts)
-            cand_idx = candidates.nonzero().squeeze(1)
-            result = self._insert(uniq[cand_idx], values[cand_idx])
-            slots_u = torch.full_like(uniq, -1).index_copy_(0, cand_idx, result.slots)
-            new_ids = uniq[cand_idx[result.inserted]]
-            hit_u = torch.zeros_like(candidates).index_copy_(0, cand_idx, result.hit)
-            self._metrics["admission_rejects"] += uniq.numel() - cand_idx.numel()
-        new_slots = result.slots[result.inserted]
-        if new_slots.numel():
-            self.weights.index_copy_(0, new_slots, self.initial_rows(new_ids))
-            if self.state_dim:
-                self.state.index_fill_(0, new_slots, 0.0)
-        hits = int(torch.dot(counts, hit_u.to(counts.dtype)))
-        self._metrics["hits"] += hits
-        self._metrics["misses"] += ids.numel() - hits
+        custom = max_per_unique(custom_scores, inverse, uniq.numel())
+        values = self.score_values(uniq, counts, custom)
+        slots_u, hit_u, inserted_u, _ = self.compete(uniq, counts, values)
+        self.init_rows_at(slots_u[inserted_u], uniq[inserted_u])
+        self.count_hits(ids.numel(), counts, hit_u)
         return slots_u[inverse]
 
     def lookup_eval(self, ids: torch.Tensor) -> torch.Tensor:
-        """Slots for an evaluation batch (read-only); -1 for ids not stored.
-
-        With an SSD tier, rows held there are promoted to memory (the rows the
-        table holds do not change, only their tier; eviction scores stay)."""
-        if self._ssd is not None:
-            return tiered.lookup_eval(self, ids)
-        slots = probe(self._index.keys, ids)
+        """Slots for an evaluation batch (read-only); -1 for ids not stored."""
+        slots = self.index.probe(ids)
         hits = int((slots >= 0).sum())
-        self._metrics["hits"] += hits
-        self._metrics["misses"] += ids.numel() - hits
+        self.count("hits", hits)
+        self.count("misses", ids.numel() - hits)
         return slots
 
-    # ------------------------------------------------------------- internals
-    def _score_values(
+    # --------------------------------------------- steps of a training lookup
+    def score_values(
         self, ids: torch.Tensor, counts: torch.Tensor, custom: torch.Tensor | None
     ) -> torch.Tensor:
+        """The eviction score values a batch's unique ``ids`` bring (``counts``: their
+        occurrences; ``custom``: their custom scores, if given)."""
         policy = self.options.eviction
         if policy == EvictionPolicy.LFU:
             return counts.to(torch.int64)
@@ -373,59 +365,159 @@ class KVTable:
             return custom.to(device=ids.device, dtype=torch.int64)
         return torch.full_like(ids, self.step)
 
-    def _insert(self, ids: torch.Tensor, values: torch.Tensor) -> InsertResult:
+    def compete(
+        self,
+        uniq: torch.Tensor,
+        counts: torch.Tensor,
+        values: torch.Tensor,
+        stored: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, InsertResult]:
+        """Admission, then find-or-insert of a batch's unique ids: ``(slots, hit,
+        inserted, result)`` per unique id (slot -1: not admitted or no room).
+        ``stored``: which ids hold a row (default: those the index holds)."""
+        if self.counter is None:
+            # why: every id is a candidate; skipping the masks saves ~2 ms per 80k ids.
+            result = self.insert_ids(uniq, values)
+            return result.slots, result.hit, result.inserted, result
+        candidates = self.admit(uniq, counts, stored)
+        cand_idx = candidates.nonzero().squeeze(1)
+        result = self.insert_ids(uniq[cand_idx], values[cand_idx])
+        slots = torch.full_like(uniq, -1).index_copy_(0, cand_idx, result.slots)
+        hit = torch.zeros_like(candidates).index_copy_(0, cand_idx, result.hit)
+        inserted = torch.zeros_like(candidates).index_copy_(0, cand_idx, result.inserted)
+        self.count("admission_rejects", uniq.numel() - cand_idx.numel())
+        return slots, hit, inserted, result
+
+    def insert_ids(self, ids: torch.Tensor, values: torch.Tensor) -> InsertResult:
+        """Find-or-insert unique ``ids`` by the table's eviction policy (rows untouched)."""
         policy = self.options.eviction
-        result = insert(
-            self._index.keys,
-            self._index.scores,
+        result = self.index.insert(
             ids,
             values,
             accumulate=policy == EvictionPolicy.LFU,
             keep_existing=policy == EvictionPolicy.NONE,
         )
-        n_new = int(result.inserted.sum())
-        self._metrics["inserts"] += n_new
-        self._metrics["evictions"] += result.evicted_ids.numel()
-        self._metrics["insert_failures"] += int((~result.hit & ~result.inserted).sum())
+        self.count("inserts", int(result.inserted.sum()))
+        self.count("evictions", result.evicted_ids.numel())
+        self.count("insert_failures", int((~result.hit & ~result.inserted).sum()))
         return result
 
-    def _admit(
+    def admit(
         self, uniq: torch.Tensor, counts: torch.Tensor, stored: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Which of ``uniq`` may take a row: stored already (in memory, or where
-        ``stored`` says), or seen often enough."""
+        ``stored`` says), or seen often enough (counted in the admission counter)."""
         if stored is None:
-            stored = probe(self._index.keys, uniq) >= 0
+            stored = self.index.probe(uniq) >= 0
         waiting = (~stored).nonzero().squeeze(1)
         if waiting.numel() == 0:
             return stored
-        keys, scores = self._counter
         ids = uniq[waiting]
-        result = insert(keys, scores, ids, torch.full_like(ids, self.step), False, False)
+        result = self.counter.insert(ids, torch.full_like(ids, self.step))
         seen = counts[waiting].clone()
         counted = result.slots >= 0
         slots = result.slots[counted]
         # A slot new to this id (inserted, or reused after evicting another id) starts at 0.
-        previous = torch.where(result.inserted[counted], 0, self._counts[slots])
+        previous = torch.where(result.inserted[counted], 0, self.counts[slots])
         seen[counted] += previous
-        self._counts[slots] = seen[counted]
+        self.counts[slots] = seen[counted]
         admitted = seen >= self.options.admission_threshold
         done = result.slots[admitted & counted]
         if done.numel():
-            remove(keys, scores, done)
-            self._counts[done] = 0
+            self.counter.remove(done)
+            self.counts[done] = 0
         stored[waiting[admitted]] = True
         return stored
 
+    def init_rows_at(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
+        """New rows: ``ids``' initial rows at ``slots``, optimizer state zero."""
+        if slots.numel():
+            self.weights.index_copy_(0, slots, self.initial_rows(ids))
+            if self.state_dim:
+                self.state.index_fill_(0, slots, 0.0)
+
+    def count_hits(self, n: int, counts: torch.Tensor, hit: torch.Tensor) -> None:
+        """Count a batch of ``n`` ids whose unique ids (``counts`` occurrences) hit or not."""
+        hits = int(torch.dot(counts, hit.to(counts.dtype)))
+        self.count("hits", hits)
+        self.count("misses", n - hits)
+
     # ------------------------------------------------------------------ rows
-    def _rows_at(self, slots: torch.Tensor) -> torch.Tensor:
+    def rows_at(self, slots: torch.Tensor) -> torch.Tensor:
         """Weights and state of ``slots`` side by side: ``[n, dim + state_dim]``."""
         return torch.cat(
             [self.weights.index_select(0, slots), self.state.index_select(0, slots)], dim=1
         )
 
-    def _set_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    def set_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Write ``[n, dim + state_dim]`` rows (weights, then state) at ``slots``."""
         self.weights.index_copy_(0, slots, rows[:, : self.dim])
         if self.state_dim:
             self.state.index_copy_(0, slots, rows[:, self.dim :])
+
+    # ------------------------------------------------ whole-content operations
+    def clear(self) -> None:
+        """Remove every id, and the admission counts."""
+        self.index.clear()
+        if self.counter is not None:
+            self.counter.clear()
+            self.counts.zero_()
+
+    def load_rows(
+        self,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        state: torch.Tensor | None,
+        scores: torch.Tensor | None,
+        step: tuple[int, int] | None = None,
+    ) -> int:
+        """Store unique ``ids`` with their rows, optimizer state (None: zero) and
+        scores (None: the current step) in the EMPTY table, then take the step
+        counters ``step`` (training lookups, optimizer steps; None: keep them).
+        Returns how many rows found no room (a bucket given more than ``WAYS`` ids
+        keeps those of the highest scores, then smallest ids, as an insert would)."""
+        lost = self._bulk_load(ids, weights, state, scores)
+        if step is not None:
+            self.step, self.optim_step = step
+        return lost
+
+    def _bulk_load(
+        self,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        state: torch.Tensor | None,
+        scores: torch.Tensor | None,
+    ) -> int:
+        ids = ids.to(self.device)
+        if scores is None:
+            scores = torch.full_like(ids, self.step)
+        src, slots = self.index.bulk_load(ids, scores.to(self.device, torch.int64))
+        weights = weights.to(self.device, torch.float32)
+        state = None if state is None else state.to(self.device, torch.float32)
+        if src is not None:
+            weights = weights.index_select(0, src)
+            state = None if state is None else state.index_select(0, src)
+        self.weights.index_copy_(0, slots, weights)
+        if state is not None:
+            self.state.index_copy_(0, slots, state)
+        elif self.state_dim:
+            self.state.index_fill_(0, slots, 0.0)
+        return 0 if src is None else ids.numel() - src.numel()
+
+    def admission_entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(ids, sightings, counter scores)`` of the ids waiting for admission, by slot
+        (empty without admission)."""
+        if self.counter is None:
+            empty = torch.empty(0, dtype=torch.int64)
+            return empty, empty, empty
+        slots = self.counter.live_slots()
+        return self.counter.ids_at(slots), self.counts[slots], self.counter.scores_at(slots)
+
+    def load_admission(self, ids: torch.Tensor, counts: torch.Tensor, scores: torch.Tensor) -> None:
+        """Put ids waiting for admission, with their sightings and counter scores, into
+        the counter (a no-op without admission)."""
+        if self.counter is None or ids.numel() == 0:
+            return
+        result = self.counter.insert(ids.to(self.device), scores.to(self.device))
+        kept = result.slots >= 0
+        self.counts[result.slots[kept]] = counts.to(self.device)[kept]

@@ -152,7 +152,7 @@ def drive_ebc() -> None:
 
 
 def drive_bucketize() -> None:
-    from torchrec_kvemb.ops.block_bucketize import block_bucketize_2d
+    from torchrec_kvemb.ops.dispatch import block_bucketize_2d
 
     gen = torch.Generator().manual_seed(3)
     lengths = torch.tensor([2, 0, 3, 1, 4, 1], dtype=torch.int64)

@@ -16,13 +16,14 @@ import torch
 import torchrec_kvemb.ssd.slab as slab_module
 from torchrec_kvemb import EvictionPolicy, KVTable, KVTableOptions, SSDOptions
 from torchrec_kvemb.checkpoint.state import restore_table, rows_from_entries, table_state
+from torchrec_kvemb.index import BucketIndex
+from torchrec_kvemb.ops.dispatch import insert
 from torchrec_kvemb.ops.hashing import index_bucket
-from torchrec_kvemb.ops.insert import insert
 from torchrec_kvemb.optimizer import FusedOptimConfig, OptimKind
 from torchrec_kvemb.options import WAYS
 from torchrec_kvemb.ssd import KVStorageError, storage_estimate
 from torchrec_kvemb.ssd.slab import HEADER_BYTES
-from torchrec_kvemb.ssd.tier import INITIAL_BUCKETS, SlotIndex, place
+from torchrec_kvemb.ssd.slot_index import INITIAL_BUCKETS, SlotIndex
 
 DIM = 6
 #: Memory rows of the cached tables: 8 buckets, so a batch of 24 ids (3 a bucket)
@@ -252,9 +253,9 @@ def test_unbounded_index_keeps_every_id_at_a_high_load():
         index.add(part, part % 1000)
     slots = index.probe(ids)
     assert (slots >= 0).all()
-    assert torch.equal(index.get(0, slots), ids) and torch.equal(index.get(1, slots), ids % 1000)
+    assert torch.equal(index.ids_at(slots), ids) and torch.equal(index.scores_at(slots), ids % 1000)
     assert index.size == ids.numel() and index.size > 0.35 * index.slots
-    assert index.get(2, slots).eq(-1).all()
+    assert index.records_at(slots).eq(-1).all()
     assert (slots >= index.main_slots).any(), "some ids should overflow into the stash"
     index.remove(slots[::3])
     assert index.size == ids.numel() - slots[::3].numel()
@@ -268,7 +269,7 @@ def test_place_takes_the_ways_insert_would():
     ids = torch.randperm(500, generator=torch.Generator().manual_seed(0))[:60] * 7
     reference_keys = keys.clone()
     want = insert(reference_keys, torch.zeros_like(keys), ids, torch.zeros_like(ids), False, True)
-    got = place(keys, ids)
+    got = BucketIndex(keys, torch.zeros_like(keys)).place(ids)
     placed = got >= 0
     assert placed.any() and not placed.all(), "the test wants buckets with and without room"
     # ids of a bucket without room for all of them are left out, whole

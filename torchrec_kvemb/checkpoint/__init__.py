@@ -342,9 +342,7 @@ def load(
         for prefix, slot in kv_reads.items():
             rows = _rows(prefix, slot, targets, saved)
             layout = slot.layout
-            check_table_rows(
-                layout.name, layout.dim, list(slot.state_names), rows, layout.num_buckets
-            )
+            check_table_rows(layout.name, layout.dim, slot.state_shapes, rows, layout.num_buckets)
             check_fits(slot.layout.table, rows)
             pending.append((slot, rows))
         learning_rates = _saved_learning_rates(
@@ -432,7 +430,7 @@ def _check_kv_config(
             raise CheckpointError(
                 f"{where}: saved with the {want['optimizer']} optimizer (state "
                 f"{want['state'] or 'none'}), the model's table uses {slot.optimizer} "
-                f"(state {list(slot.state_names) or 'none'})"
+                f"(state {list(slot.state_shapes) or 'none'})"
             )
 
 
@@ -453,7 +451,7 @@ def _table_configs(slots: Mapping[str, KVTableSlot], group) -> dict[str, dict[st
             "name": s.layout.name,
             "dim": s.layout.dim,
             "optimizer": s.optimizer,
-            "state": list(s.state_names),
+            "state": list(s.state_shapes),
             "total_num_buckets": s.layout.num_buckets,
             "sharding": s.layout.sharding,
         }

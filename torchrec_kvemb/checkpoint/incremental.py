@@ -321,7 +321,7 @@ def load_dumps_into(module: HasKVTables, directory: str | os.PathLike[str]) -> N
         table = tables.get(name)
         if table is None:
             raise ValueError(f"dumped table {name!r} is not in the module")
-        stored = table.size + (0 if table.ssd is None else table.ssd.size)
+        stored = table.total_size
         if stored != 0:
             raise ValueError(f"table {name!r} is not empty ({stored} ids)")
         if rows["weights"].shape[1:] != (table.dim,):
@@ -331,40 +331,22 @@ def load_dumps_into(module: HasKVTables, directory: str | os.PathLike[str]) -> N
         names = table.optim.state_names()
         if set(rows) != {"ids", "weights", "scores", *names}:
             raise ValueError(f"table {name!r}: dumped optimizer state does not match {names}")
-        room = _room(table)
+        room = table.room()
         if room is not None and rows["ids"].numel() > room:
             raise RuntimeError(
                 f"table {name!r}: {rows['ids'].numel()} dumped rows do not fit its "
                 f"capacity of {room} rows"
             )
     for name, rows in content.items():
-        tier = tables[name].ssd
-        if tier is not None:
-            # A full disk raises here, before any table changes.
-            tier.reserve(rows["ids"].numel())
+        # A full disk raises here, before any table changes.
+        tables[name].reserve(rows["ids"].numel())
     for name, rows in content.items():
         table = tables[name]
         n = rows["ids"].numel()
         if n == 0:
             continue
-        names = table.optim.state_names()
-        state = None
-        if names:
-            parts = [rows[k] if rows[k].dim() == 2 else rows[k].unsqueeze(1) for k in names]
-            state = torch.cat(parts, dim=1)
-        slots = table.insert(rows["ids"], rows["weights"], state, rows["scores"], exact_scores=True)
-        if table.ssd is None:
-            lost = int((slots < 0).sum())
-        else:
-            lost = n - table.size - table.ssd.size
+        state = table.optim.join_state(rows, table.dim)
+        table.insert(rows["ids"], rows["weights"], state, rows["scores"], exact_scores=True)
+        lost = n - table.total_size
         if lost:
             raise RuntimeError(f"table {name!r}: {lost} rows found no room")
-
-
-def _room(table: KVTable) -> int | None:
-    """Rows ``table`` can hold at most, None when its SSD tier grows as needed."""
-    if table.ssd is None:
-        return table.capacity
-    if table.options.ssd.capacity is None:
-        return None
-    return table.capacity + table.ssd.capacity

@@ -105,13 +105,11 @@ def load_dense_into_kv(
         if table is None:
             continue  # a table-wise table on another rank
         ids = torch.arange(shape[0], dtype=torch.int64)
-        names = table.optim.state_names()
-        state = {
-            n: torch.zeros(ids.numel(), *(() if n == "momentum1" else (table.dim,))) for n in names
-        }
+        shapes = table.optim.state_shapes(table.dim)
+        state = {n: torch.zeros(ids.numel(), *shape) for n, shape in shapes.items()}
         rows = TableRows(ids, weight.detach().to(torch.float32), None, state)
         rows = rows.select(slot.layout.owns(ids))
-        check_table_rows(name, table.dim, names, rows)
+        check_table_rows(name, table.dim, shapes, rows)
         check_fits(table, rows)
         pending.append((table, rows))
     stored = {}

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,9 +52,7 @@ from torch.distributed._shard.sharded_tensor.metadata import (
     TensorProperties,
 )
 
-from torchrec_kvemb.ops.hashing import index_bucket, route_bucket
-from torchrec_kvemb.ops.insert import insert
-from torchrec_kvemb.options import WAYS
+from torchrec_kvemb.ops.hashing import route_bucket
 from torchrec_kvemb.table import KVTable
 
 #: Optimizer state names of every supported optimizer (``FusedOptimConfig.state_names``).
@@ -93,20 +91,13 @@ class TableLayout:
     def learning_rate(self) -> float | None:
         """The fused optimizer's current learning rate for this table (None where
         this rank holds no shard of it)."""
-        if self.table is None:
-            return None
-        if self.fused_optimizer is not None:
-            return float(self.fused_optimizer.learning_rate)
-        return float(self.table.optim.learning_rate)
+        return None if self.table is None else self.table.learning_rate
 
     def set_learning_rate(self, lr: float) -> None:
         """Make ``lr`` the learning rate of the next update (sharded: of every table
         sharing this shard's fused optimizer)."""
-        if self.table is None:
-            return
-        if self.fused_optimizer is not None:
-            self.fused_optimizer.learning_rate = lr
-        self.table.optim = self.table.optim.with_learning_rate(lr)
+        if self.table is not None:
+            self.table.learning_rate = lr
 
     def owns(self, ids: torch.Tensor) -> torch.Tensor:
         """Which of ``ids`` this rank stores."""
@@ -125,10 +116,11 @@ class KVTableSlot:
     no rows, just where the table is (used by ``torchrec_kvemb.checkpoint.load``)."""
 
     layout: TableLayout
-    #: The fused optimizer (``OptimKind`` value) and its state names, where this
-    #: rank holds the table (None elsewhere).
+    #: The fused optimizer (``OptimKind`` value) and its state tensors' shapes per
+    #: row (``FusedOptimConfig.state_shapes``), where this rank holds the table
+    #: (None elsewhere).
     optimizer: str | None
-    state_names: tuple[str, ...] | None
+    state_shapes: dict[str, tuple[int, ...]] | None
 
 
 _DESCRIBE = {"on": False}
@@ -186,77 +178,32 @@ def table_state(table: KVTable) -> dict[str, torch.Tensor]:
     """A table's state_dict entries (key suffixes after ``embedding_bags.<table>.``),
     rows sorted by routing bucket, then id."""
     num_buckets = table.options.total_num_buckets
-    if table.ssd is None:
-        # why: ordering the slots first gathers each row once (export() then a
-        # reorder gathers twice: 1.3 s instead of 0.6 s for 1M rows of dim 64).
-        flat = table.keys.view(-1)
-        slots = (flat >= 0).nonzero().squeeze(1)
-        ids, by_id = torch.sort(flat[slots])
-        order, buckets = bucket_order(ids, num_buckets)
-        slots = slots[by_id][order]
-        data = {
-            "ids": ids[order],
-            "weights": table.weights.index_select(0, slots),
-            "scores": table.scores.view(-1).index_select(0, slots),
-        }
-        data.update(_state_views(table, table.state.index_select(0, slots)))
-        order = None
-    else:
-        data = table.export()
-        order, buckets = bucket_order(data["ids"], num_buckets)
-
-    def rows(key: str) -> torch.Tensor:
-        return data[key] if order is None else data[key][order]
-
-    out = {"weight": rows("weights"), "weight_id": rows("ids"), "weight_score": rows("scores")}
+    data = table.export(route_buckets=num_buckets)
+    out = {"weight": data["weights"], "weight_id": data["ids"], "weight_score": data["scores"]}
     for name in table.optim.state_names():
-        out[name] = rows(name)
-    out["bucket"] = torch.bincount(buckets, minlength=num_buckets)
+        out[name] = data[name]
+    out["bucket"] = torch.bincount(route_bucket(data["ids"], num_buckets), minlength=num_buckets)
     out["step"] = torch.tensor([table.step, table.optim_step], dtype=torch.int64)
     if table.options.admission_threshold > 1:
         out.update(zip(ADMISSION_KEYS, admission_state(table), strict=True))
     return out
 
 
-def _state_views(table: KVTable, state: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The named optimizer state tensors of state rows ``[n, state_dim]``."""
-    names = table.optim.state_names()
-    if len(names) == 1:
-        return {names[0]: state[:, 0]}
-    return {n: state[:, i * table.dim : (i + 1) * table.dim] for i, n in enumerate(names)}
-
-
 def admission_state(table: KVTable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(ids, sightings, scores)`` of the ids the admission counter tracks, sorted by
     routing bucket, then id (empty for a table without admission)."""
-    counter = getattr(table, "_counter", None)
-    if counter is None:
-        empty = torch.empty(0, dtype=torch.int64)
-        return empty, empty, empty
-    flat = counter.keys.view(-1)
-    slots = (flat >= 0).nonzero().squeeze(1)
-    ids, by_id = torch.sort(flat[slots])
-    slots = slots[by_id]
+    ids, counts, scores = table.admission_entries()
+    ids, by_id = torch.sort(ids)
     order, _ = bucket_order(ids, table.options.total_num_buckets)
-    slots = slots[order]
-    return flat[slots], table._counts[slots], counter.scores.view(-1)[slots]
-
-
-def state_tensor(table: KVTable, state: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    """The named state tensors as the table's ``[n, state_dim]`` state rows."""
-    names = table.optim.state_names()
-    if not names:
-        return None
-    if len(names) == 1:
-        return state[names[0]].reshape(-1, 1)
-    return torch.cat([state[n] for n in names], dim=1)
+    entry = by_id[order]
+    return ids[order], counts[entry], scores[entry]
 
 
 # ---------------------------------------------------------------- checks
 def check_table_rows(
     name: str,
     dim: int,
-    state_names: list[str],
+    state_shapes: Mapping[str, tuple[int, ...]],
     rows: TableRows,
     num_buckets: int | None = None,
 ) -> None:
@@ -281,13 +228,13 @@ def check_table_rows(
     ):
         fail(f"weight_score must be an integer tensor of {n} entries")
     given = sorted(rows.state)
-    if given != sorted(state_names):
+    if given != sorted(state_shapes):
         fail(
             f"optimizer state {given or 'none'} does not match the table's optimizer, "
-            f"which keeps {sorted(state_names) or 'none'}"
+            f"which keeps {sorted(state_shapes) or 'none'}"
         )
     for key, value in rows.state.items():
-        want = (n,) if key == "momentum1" else (n, dim)
+        want = (n, *state_shapes[key])
         if tuple(value.shape) != want or not value.is_floating_point():
             fail(f"{key} must be a float tensor of shape {want}, got {tuple(value.shape)}")
     if n and bool((rows.ids < 0).any()):
@@ -327,31 +274,12 @@ def restore_table(table: KVTable, rows: TableRows) -> int:
     With an SSD tier, each index bucket keeps its rows of the highest scores in
     memory (then smallest ids, as a fresh insert ranks them) and the others go to
     the SSD tier; every row keeps its saved score in either tier."""
-    if table.ssd is not None:
-        # A full disk raises here, before the table changes.
-        table.ssd.reserve(rows.ids.numel())
-    _clear(table)
-    lost = 0
-    if rows.ids.numel():
-        state = state_tensor(table, rows.state)
-        if table.ssd is None:
-            lost = _fill(table, rows.ids, rows.weights, state, rows.scores)
-        else:
-            if rows.step is not None:
-                # why: an SSD tier ranking rows by demotion time (LRU over another
-                # policy) stamps the rows it takes now with the saved step.
-                table.step, table.optim_step = rows.step
-            table.insert(
-                rows.ids.to(table.device),
-                rows.weights.to(table.device),
-                None if state is None else state.to(table.device),
-                None if rows.scores is None else rows.scores.to(table.device),
-                exact_scores=rows.scores is not None,
-            )
-    if rows.step is not None:
-        table.step, table.optim_step = rows.step
+    table.reserve(rows.ids.numel())  # a full disk raises here, before the table changes
+    table.clear()
+    state = table.optim.join_state(rows.state, table.dim) if rows.ids.numel() else None
+    lost = table.load_rows(rows.ids, rows.weights, state, rows.scores, rows.step)
     if rows.admission is not None:
-        _restore_admission(table, *rows.admission)
+        table.load_admission(*rows.admission)
     if lost:
         warnings.warn(
             f"table {table.name!r}: {lost} of {rows.ids.numel()} rows found no room "
@@ -359,91 +287,6 @@ def restore_table(table: KVTable, rows: TableRows) -> int:
             stacklevel=2,
         )
     return lost
-
-
-def _fill(
-    table: KVTable,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    state: torch.Tensor | None,
-    scores: torch.Tensor | None,
-) -> int:
-    """Store unique ``ids`` in an empty in-memory table, each in its index bucket
-    (``slot = bucket * WAYS + way``, ways in order); where a bucket gets more than
-    ``WAYS`` ids, those of the highest scores (then smallest ids) stay, as a
-    fresh insert would keep them. Returns how many found no room.
-
-    why not ``KVTable.insert``: it re-checks uniqueness, probes an empty index and
-    ranks every bucket; this is about 5x faster (1M rows of dim 64: 1.74 s -> 0.34 s)."""
-    device = table.device
-    keys = table.keys
-    ids = ids.to(device)
-    scores = torch.full_like(ids, table.step) if scores is None else scores.to(device, torch.int64)
-    buckets = index_bucket(ids, keys.shape[0])
-    counts = torch.bincount(buckets, minlength=keys.shape[0])
-    if int(counts.max()) > WAYS:
-        order = torch.sort(ids).indices
-        order = order[torch.sort(scores[order], descending=True, stable=True).indices]
-        order = order[torch.sort(buckets[order], stable=True).indices]
-    else:
-        order = torch.sort(buckets, stable=True).indices
-    sorted_buckets = buckets[order]
-    starts = torch.cumsum(counts, 0) - counts
-    way = torch.arange(ids.numel(), device=device) - starts[sorted_buckets]
-    fits = way < WAYS
-    weights = weights.to(device, torch.float32)
-    state = None if state is None else state.to(device, torch.float32)
-    if bool(fits.all()):
-        # Each input row's slot: rows are scattered straight from the input.
-        slots = torch.empty_like(order).index_copy_(0, order, sorted_buckets * WAYS + way)
-        src = None
-    else:
-        src = order[fits]
-        slots = sorted_buckets[fits] * WAYS + way[fits]
-        ids, scores, weights = ids[src], scores[src], weights.index_select(0, src)
-        state = None if state is None else state.index_select(0, src)
-    keys.view(-1).index_copy_(0, slots, ids)
-    table.scores.view(-1).index_copy_(0, slots, scores)
-    table.weights.index_copy_(0, slots, weights)
-    if state is not None:
-        table.state.index_copy_(0, slots, state)
-    elif table.state_dim:
-        table.state.index_fill_(0, slots, 0.0)
-    return 0 if src is None else fits.numel() - src.numel()
-
-
-def _clear(table: KVTable) -> None:
-    """Remove every id (both tiers) and the admission counts."""
-    table.keys.fill_(-1)
-    table.scores.zero_()
-    tier = table.ssd
-    if tier is not None and tier.size:
-        ids = tier.export()[0]
-        tier.remove(tier.lookup(ids))
-    counter = getattr(table, "_counter", None)
-    if counter is not None:
-        counter.keys.fill_(-1)
-        counter.scores.zero_()
-        table._counts.zero_()
-
-
-def _restore_admission(
-    table: KVTable, ids: torch.Tensor, counts: torch.Tensor, scores: torch.Tensor
-) -> None:
-    counter = getattr(table, "_counter", None)
-    if counter is None or ids.numel() == 0:
-        return
-    device = counter.keys.device
-    result = insert(
-        counter.keys,
-        counter.scores,
-        ids.to(device),
-        scores.to(device),
-        accumulate=False,
-        keep_existing=False,
-    )
-    kept = result.slots >= 0
-    table._counts[result.slots[kept]] = counts.to(device)[kept]
 
 
 # ------------------------------------------------------ state_dict entries
@@ -560,7 +403,7 @@ def _register(
                 destination[f"{prefix}embedding_bags.{layout.name}.weight"] = KVTableSlot(
                     layout,
                     None if optim is None else optim.kind.value,
-                    None if optim is None else tuple(optim.state_names()),
+                    None if optim is None else optim.state_shapes(layout.dim),
                 )
             return
         if group is None:
@@ -606,7 +449,11 @@ def _register(
                 continue
             table = layout.table
             check_table_rows(
-                layout.name, layout.dim, table.optim.state_names(), rows, layout.num_buckets
+                layout.name,
+                layout.dim,
+                table.optim.state_shapes(layout.dim),
+                rows,
+                layout.num_buckets,
             )
             rows = rows.select(layout.owns(rows.ids))
             if rows.admission is not None:
@@ -650,7 +497,7 @@ def sharded_entries(
                 "rows": state["weight_id"].numel(),
                 "admission": state["admission_id"].numel() if layout.admission else 0,
                 "step": state["step"].tolist(),
-                "state_names": layout.table.optim.state_names(),
+                "state_shapes": layout.table.optim.state_shapes(layout.dim),
                 "bucket": hi - lo,
             }
         )
@@ -667,7 +514,7 @@ def sharded_entries(
         known = [h for h in holders if h is not None]
         if not known:
             continue  # no rank holds it (cannot happen for a planned table)
-        state_names = known[0]["state_names"]
+        state_shapes = known[0]["state_shapes"]
         rows = [0 if h is None else h["rows"] for h in holders]
         mine = local[i]
         entries: dict[str, Any] = {}
@@ -679,8 +526,7 @@ def sharded_entries(
         entries["weight"] = sharded("weight", rows, (layout.dim,), torch.float32)
         entries["weight_id"] = sharded("weight_id", rows, (), torch.int64)
         entries["weight_score"] = sharded("weight_score", rows, (), torch.int64)
-        for name in state_names:
-            tail = () if name == "momentum1" else (layout.dim,)
+        for name, tail in state_shapes.items():
             entries[name] = sharded(name, rows, tail, torch.float32)
         buckets = [0 if h is None else h["bucket"] for h in holders]
         entries["bucket"] = sharded("bucket", buckets, (), torch.int64)

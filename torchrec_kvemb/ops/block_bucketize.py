@@ -17,55 +17,15 @@ then all bags of rank 1, and so on.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm: the CPU fast path and oracle)
 import torch
 
-from torchrec_kvemb.backend import use_triton
+from torchrec_kvemb.ops.contracts import BucketizeInputs, BucketizeResult
 
-__all__ = ["BucketizeResult", "block_bucketize_2d", "block_bucketize_2d_torch"]
+__all__ = ["block_bucketize_2d_torch", "bucketize_prepared_torch", "prepare_inputs"]
 
 IntsLike = torch.Tensor | Sequence[int]
-
-
-class BucketizeResult(NamedTuple):
-    """Outputs of :func:`block_bucketize_2d`.
-
-    * ``lengths``: ``[world_size * num_bags]``, rank-major, dtype of the input lengths.
-    * ``indices``: ``[N]``, the new ids grouped by rank then bag, dtype of the input ids.
-    * ``weights``: ``[N]`` or ``[N, k]``, rows permuted like ``indices``; ``None`` without weights.
-    * ``pos``: ``[N]``, each output id's position inside its original bag; ``None``
-      unless ``bucketize_pos``.
-    * ``unbucketize_permute``: ``[N]``, the output position of each input id
-      (``out[unbucketize_permute[i]]`` came from input ``i``).
-    """
-
-    lengths: torch.Tensor
-    indices: torch.Tensor
-    weights: torch.Tensor | None
-    pos: torch.Tensor | None
-    unbucketize_permute: torch.Tensor
-
-
-class BucketizeInputs(NamedTuple):
-    """Validated, normalized inputs shared by the torch path and the Triton launcher.
-
-    ``block_sizes`` and ``num_blocks`` (blocks of each feature over all ranks) are int64
-    ``[T]``; ``feature_ends`` is the int64 ``[T]`` inclusive prefix sum of the per-feature
-    batch sizes (bag ``b`` belongs to the first feature ``t`` with ``b < feature_ends[t]``);
-    ``lengths``, ``indices`` and ``weights`` are contiguous.
-    """
-
-    lengths: torch.Tensor
-    indices: torch.Tensor
-    block_sizes: torch.Tensor
-    num_blocks: torch.Tensor
-    feature_ends: torch.Tensor
-    world_size: int
-    weights: torch.Tensor | None
-    bucketize_pos: bool
-    keep_orig_idx: bool
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -100,7 +60,7 @@ def prepare_inputs(
     batch_size_per_feature: IntsLike | None = None,
     max_batch_size: int | None = None,
 ) -> BucketizeInputs:
-    """Check the arguments of :func:`block_bucketize_2d` and normalize them."""
+    """Check the arguments of ``block_bucketize_2d`` and normalize them."""
     if not isinstance(lengths, torch.Tensor) or not isinstance(indices, torch.Tensor):
         raise TypeError("lengths and indices must be tensors")
     if indices.dtype not in _INDEX_DTYPES:
@@ -278,7 +238,7 @@ def block_bucketize_2d_torch(
     batch_size_per_feature: IntsLike | None = None,
     max_batch_size: int | None = None,
 ) -> BucketizeResult:
-    """:func:`block_bucketize_2d` on the vectorized torch path, whatever the device."""
+    """``block_bucketize_2d`` on the vectorized torch path, whatever the device."""
     inp = prepare_inputs(
         lengths,
         indices,
@@ -291,76 +251,6 @@ def block_bucketize_2d_torch(
         batch_size_per_feature,
         max_batch_size,
     )
-    return bucketize_prepared_torch(inp)
-
-
-def block_bucketize_2d(
-    lengths: torch.Tensor,
-    indices: torch.Tensor,
-    block_sizes: IntsLike,
-    world_size: int,
-    weights: torch.Tensor | None = None,
-    total_num_blocks: IntsLike | None = None,
-    bucketize_pos: bool = False,
-    keep_orig_idx: bool = False,
-    batch_size_per_feature: IntsLike | None = None,
-    max_batch_size: int | None = None,
-) -> BucketizeResult:
-    """Split a jagged batch of ids into ``world_size`` buckets by block.
-
-    Equal to ``torch.ops.fbgemm.block_bucketize_sparse_features`` (1-D or no weights)
-    and ``block_bucketize_sparse_features_2d_weights`` (2-D weights) with
-    ``sequence=True``; see the module docstring and ``docs/bucketization.md``.
-
-    Args:
-        lengths: ``[num_bags]`` int32/int64, feature-major like KJT lengths.
-        indices: ``[N]`` int32/int64 ids, all ``>= 0``.
-        block_sizes: one block size per feature (tensor or list of ints, ``>= 0``).
-        world_size: number of ranks (output buckets).
-        weights: optional ``[N]`` or ``[N, k]`` rows that travel with their ids.
-        total_num_blocks: optional blocks per feature over all ranks, each a positive
-            multiple of ``world_size``; default ``world_size`` (one block per rank).
-        bucketize_pos: also return each id's position inside its original bag.
-        keep_orig_idx: keep the original ids instead of block-relative ones.
-        batch_size_per_feature: optional batch size of each feature (variable batch);
-            default ``len(lengths) // num_features`` for every feature.
-        max_batch_size: optional largest batch size (accepted for FBGEMM parity, checked).
-
-    Returns:
-        :class:`BucketizeResult` ``(lengths, indices, weights, pos, unbucketize_permute)``.
-
-    Example::
-
-        >>> lengths = torch.tensor([2, 1, 3])  # 3 bags, one feature
-        >>> ids = torch.tensor([1, 7, 4, 0, 9, 5])
-        >>> out = block_bucketize_2d(lengths, ids, block_sizes=[5], world_size=2)
-        >>> out.lengths  # rank 0: bags 0..2, then rank 1: bags 0..2
-        tensor([1, 1, 1, 1, 0, 2])
-        >>> out.indices  # ids 1, 4, 0 on rank 0; 7, 9, 5 on rank 1 as 7-5, 9-5, 5-5
-        tensor([1, 4, 0, 2, 4, 0])
-        >>> out.unbucketize_permute
-        tensor([0, 3, 1, 2, 4, 5])
-    """
-    inp = prepare_inputs(
-        lengths,
-        indices,
-        block_sizes,
-        world_size,
-        weights,
-        total_num_blocks,
-        bucketize_pos,
-        keep_orig_idx,
-        batch_size_per_feature,
-        max_batch_size,
-    )
-    if use_triton(indices.device):
-        from torchrec_kvemb.kernels.block_bucketize import block_bucketize_triton
-
-        return block_bucketize_triton(inp)
-    if inp.indices.device.type == "cpu":
-        fast = bucketize_prepared_fbgemm(inp)
-        if fast is not None:
-            return fast
     return bucketize_prepared_torch(inp)
 
 

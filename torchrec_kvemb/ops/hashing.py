@@ -12,25 +12,21 @@ import math
 
 import torch
 
-_M1 = 0xFF51AFD7ED558CCD
-_M2 = 0xC4CEB9FE1A85EC53
-#: The 64-bit golden ratio: column stride of the initial-value streams.
-GOLDEN = 0x9E3779B97F4A7C15
-#: Salts that make the index hash, the routing hash and the seed mix differ.
-INDEX_SALT = 0x1B873593A5A5A5A5
-ROUTE_SALT = 0x2545F4914F6CDD1D
-SEED_SALT = 0x5851F42D4C957F2D
-INT64_MAX = (1 << 63) - 1
+from torchrec_kvemb.ops.contracts import (
+    FMIX_M1,
+    FMIX_M2,
+    GOLDEN,
+    INDEX_SALT,
+    INT64_MAX,
+    ROUTE_SALT,
+    seed_mix,
+    to_signed,
+)
 
+__all__ = ["INT64_MAX", "fmix64", "index_bucket", "init_rows", "route_bucket", "seed_mix"]
 
-def to_signed(value: int) -> int:
-    """The int64 with the same 64 bits as the unsigned ``value``."""
-    value &= (1 << 64) - 1
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-_M1_S = to_signed(_M1)
-_M2_S = to_signed(_M2)
+_M1_S = to_signed(FMIX_M1)
+_M2_S = to_signed(FMIX_M2)
 _GOLDEN_S = to_signed(GOLDEN)
 _MASK31 = (1 << 31) - 1
 
@@ -46,17 +42,6 @@ def fmix64(x: torch.Tensor) -> torch.Tensor:
     x = x ^ _lsr33(x)
     x = x * _M2_S
     return x ^ _lsr33(x)
-
-
-def fmix64_int(value: int) -> int:
-    """``fmix64`` of one Python int, as an int64."""
-    x = value & ((1 << 64) - 1)
-    x ^= x >> 33
-    x = (x * _M1) & ((1 << 64) - 1)
-    x ^= x >> 33
-    x = (x * _M2) & ((1 << 64) - 1)
-    x ^= x >> 33
-    return to_signed(x)
 
 
 def index_bucket(ids: torch.Tensor, num_buckets: int) -> torch.Tensor:
@@ -77,11 +62,6 @@ def route_bucket(ids: torch.Tensor, num_buckets: int | torch.Tensor) -> torch.Te
     x = ids.to(torch.int64) ^ to_signed(ROUTE_SALT)
     _fmix64_(x, torch.empty_like(x))
     return x.bitwise_and_(INT64_MAX).remainder_(num_buckets)
-
-
-def seed_mix(seed: int) -> int:
-    """The per-table constant that the seed contributes to every initial value."""
-    return fmix64_int(seed ^ SEED_SALT)
 
 
 def init_rows(

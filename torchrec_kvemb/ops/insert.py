@@ -1,6 +1,7 @@
-"""Find-or-insert with eviction over a bucketed index (torch path + dispatch).
+"""Find-or-insert with eviction over a bucketed index: the torch path.
 
-Batch semantics (the Triton kernel in ``kernels/insert.py`` gives the same bits):
+The ranking rule is stated in ``ops/contracts.py``; the Triton kernel
+(``kernels/insert.py``) and the native CPU kernel give the same bits. In brief:
 
 1. Each id (the batch holds unique ids) is probed in its bucket. A hit updates
    its score: ``score += value`` when ``accumulate`` (LFU counts), else
@@ -20,27 +21,12 @@ The outcome depends only on the index and the batch (not on thread timing).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from torchrec_kvemb.backend import use_triton
+from torchrec_kvemb.ops.contracts import InsertResult
+from torchrec_kvemb.ops.contracts import stable_argsort as _stable_argsort
 from torchrec_kvemb.ops.hashing import index_bucket
 from torchrec_kvemb.ops.probe import probe_rows
-
-
-class InsertResult(NamedTuple):
-    """What a find-or-insert did, per input id and per evicted entry."""
-
-    slots: torch.Tensor  # [n] int64, -1 where the id holds no row after the call
-    hit: torch.Tensor  # [n] bool, the id was stored before the call
-    inserted: torch.Tensor  # [n] bool, the id got a new row in this call
-    evicted_ids: torch.Tensor  # [e] int64
-    evicted_slots: torch.Tensor  # [e] int64, now reused by inserted ids
-
-
-def _stable_argsort(values: torch.Tensor, descending: bool = False) -> torch.Tensor:
-    return torch.sort(values, stable=True, descending=descending).indices
 
 
 def insert_torch(
@@ -260,25 +246,3 @@ def _rank_and_evict(
     take_row, take_way = take.nonzero(as_tuple=True)
     new_slots = touched[take_row] * ways + take_way
     return miss_src[won_new - n_stored], new_slots, evicted_ids, evicted_slots
-
-
-def insert(
-    keys: torch.Tensor,
-    scores: torch.Tensor,
-    ids: torch.Tensor,
-    values: torch.Tensor,
-    accumulate: bool,
-    keep_existing: bool,
-) -> InsertResult:
-    """Find-or-insert unique ``ids``. Triton on CUDA, torch otherwise."""
-    if use_triton(ids.device):
-        from torchrec_kvemb.kernels.insert import insert_triton
-
-        return insert_triton(keys, scores, ids, values, accumulate, keep_existing)
-    return insert_torch(keys, scores, ids, values, accumulate, keep_existing)
-
-
-def remove(keys: torch.Tensor, scores: torch.Tensor, slots: torch.Tensor) -> None:
-    """Empty the given slots (ids leave the index)."""
-    keys.view(-1).index_fill_(0, slots, -1)
-    scores.view(-1).index_fill_(0, slots, 0)

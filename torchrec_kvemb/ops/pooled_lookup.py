@@ -9,37 +9,11 @@ the bag's length, empty bags give zeros). The Triton twins are in
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
+from torchrec_kvemb.ops.contracts import InitSpec, bag_scale
 from torchrec_kvemb.ops.hashing import init_rows
-
-
-class InitSpec(NamedTuple):
-    """How a table makes a row for an id that has none (see ``ops.hashing.init_rows``)."""
-
-    seed: int
-    normal: bool
-    a: float
-    b: float
-
-
-def bag_scale(
-    offsets: torch.Tensor, per_sample_weights: torch.Tensor | None, mean: bool, n: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-id bag index ``[n]`` and multiplier ``[n]`` (sample weight, / length if mean)."""
-    lengths = offsets[1:] - offsets[:-1]
-    bags = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)
-    scale = (
-        per_sample_weights.to(torch.float32)
-        if per_sample_weights is not None
-        else torch.ones(n, dtype=torch.float32, device=offsets.device)
-    )
-    if mean:
-        scale = scale / lengths.clamp(min=1).to(torch.float32)[bags]
-    return bags, scale
 
 
 def pooled_forward_torch(

@@ -1,4 +1,4 @@
-"""Probe: the slot of each id in a bucketed index, or -1 (torch path + dispatch).
+"""Probe: the slot of each id in a bucketed index, or -1 (torch path).
 
 The index is ``keys [num_buckets, WAYS]`` int64 with -1 marking an empty way.
 An id lives only in its own bucket (``index_bucket``), so a probe reads one
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from torchrec_kvemb.backend import use_triton
 from torchrec_kvemb.ops.hashing import index_bucket
 
 
@@ -30,12 +29,3 @@ def probe_rows(keys: torch.Tensor, ids: torch.Tensor, buckets: torch.Tensor) -> 
 def probe_torch(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Slots ``[n]`` int64 of ``ids`` in ``keys``; -1 where absent."""
     return probe_rows(keys, ids, index_bucket(ids, keys.shape[0]))
-
-
-def probe(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Slots of ``ids``; -1 where absent. Triton on CUDA, torch otherwise."""
-    if use_triton(ids.device):
-        from torchrec_kvemb.kernels.probe import probe_triton
-
-        return probe_triton(keys, ids)
-    return probe_torch(keys, ids)

@@ -30,7 +30,7 @@ from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvemb.lookup import KVPooledLookup, pooled_forward
-from torchrec_kvemb.optimizer import _KNOWN_KEYS, FusedOptimConfig
+from torchrec_kvemb.optimizer import OPTIMIZER_KEYS, FusedOptimConfig
 from torchrec_kvemb.options import KVTableOptions
 from torchrec_kvemb.table import KVTable
 from torchrec_kvemb.validation import check_ids
@@ -43,7 +43,7 @@ def optim_config(fused_params: Mapping[str, Any] | None) -> FusedOptimConfig:
     output dtype...) that do not change the update: only the optimizer's keys
     are read.
     """
-    known = {k: v for k, v in (fused_params or {}).items() if k in _KNOWN_KEYS}
+    known = {k: v for k, v in (fused_params or {}).items() if k in OPTIMIZER_KEYS}
     return FusedOptimConfig.from_fused_params(known)
 
 
@@ -101,8 +101,9 @@ class KVFusedOptimizer(FusedOptimizer):
     """TorchRec's view of the optimizer fused into a ``KVEmbeddingBag``'s backward.
 
     ``step`` and ``zero_grad`` do nothing (rows update in backward). One param
-    group; its ``lr`` is read at every training forward, so
-    ``param_groups[0]["lr"] = x`` changes the next update. ``params`` maps
+    group, which the tables read their learning rate from
+    (``KVTable.use_param_group``), so ``param_groups[0]["lr"] = x`` changes the
+    next update. ``params`` maps
     ``<table>.weight`` to the local shard's value rows; ``state`` holds their
     optimizer state tensors (``momentum1``, or ``exp_avg`` / ``exp_avg_sq``).
     Both are this rank's local buffers (``capacity`` rows, not ids).
@@ -115,9 +116,11 @@ class KVFusedOptimizer(FusedOptimizer):
 
     def __init__(self, tables: Sequence[KVTable]) -> None:
         params = {f"{t.name}.weight": t.weights for t in tables}
-        state = {t.weights: _state_views(t) for t in tables if t.state_dim}
-        lr = tables[0].optim.learning_rate if tables else 0.0
+        state = {t.weights: t.optim.split_state(t.state, t.dim) for t in tables if t.state_dim}
+        lr = tables[0].learning_rate if tables else 0.0
         super().__init__(params, state, [{"params": list(params.values()), "lr": lr}])
+        for table in tables:
+            table.use_param_group(self.param_groups[0])
 
     @property
     def learning_rate(self) -> float:
@@ -133,13 +136,6 @@ class KVFusedOptimizer(FusedOptimizer):
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Nothing to do: KV tables never hold a ``.grad``."""
-
-
-def _state_views(table: KVTable) -> dict[str, torch.Tensor]:
-    names = table.optim.state_names()
-    if len(names) == 1:
-        return {names[0]: table.state[:, 0]}
-    return {names[0]: table.state[:, : table.dim], names[1]: table.state[:, table.dim :]}
 
 
 class KVEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
@@ -206,7 +202,6 @@ class KVEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
         if features.variable_stride_per_key():
             raise ValueError("KV tables: variable batch size per feature is not supported yet")
         stride = features.stride()
-        lr = self._optim.learning_rate
         pooled = []
         for table, mean, kjt in zip(self.tables, self._mean, features.split(self._splits)):
             ids = check_ids(table.name, kjt.values())
@@ -215,8 +210,6 @@ class KVEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
             if weights is not None:
                 weights = weights.to(torch.float32)
             if self.training:
-                if table.optim.learning_rate != lr:
-                    table.optim = table.optim.with_learning_rate(lr)
                 slots = table.lookup_train(ids)
                 out = KVPooledLookup.apply(
                     self._anchor, table, slots, ids, offsets, weights, mean, True

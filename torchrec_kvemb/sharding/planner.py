@@ -24,9 +24,9 @@ from torchrec.distributed.planner.constants import DDR_MEM_BW, HBM_MEM_BW
 from torchrec.distributed.planner.estimator import device_bw
 from torchrec.distributed.planner.estimator.config import EmbeddingPerfEstimatorConfig
 
+from torchrec_kvemb.memory import table_memory
 from torchrec_kvemb.optimizer import FusedOptimConfig
-from torchrec_kvemb.options import WAYS, KVTableOptions
-from torchrec_kvemb.table import COUNTER_BYTES_PER_ID, bytes_per_row, resolve_capacity
+from torchrec_kvemb.options import KVTableOptions
 
 #: The compute kernel name KV tables carry in sharding plans.
 KV_COMPUTE_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
@@ -43,13 +43,7 @@ def kv_table_bytes(options: KVTableOptions, dim: int, optim: FusedOptimConfig) -
 
     Equal to ``KVTable(name, dim, options, optim).memory_bytes()`` without building it.
     """
-    state_dim = optim.state_dim(dim)
-    rows = resolve_capacity(options, dim, state_dim)
-    total = rows * bytes_per_row(dim, state_dim)
-    if options.admission_threshold > 1:
-        counted = options.admission_counter_capacity or rows
-        total += math.ceil(counted / WAYS) * WAYS * COUNTER_BYTES_PER_ID
-    return total
+    return table_memory(options, dim, optim).bytes
 
 
 def storage_proxy(options: KVTableOptions, dim: int, optim: FusedOptimConfig) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """What a table will use: memory (in-memory rows and the SSD tier's index) and disk.
 
-The in-memory part is sized by ``capacity`` or ``memory_budget_bytes``
-(:func:`torchrec_kvemb.table.resolve_capacity`); the SSD tier adds, in memory,
+The in-memory part is ``torchrec_kvemb.memory.table_memory`` (sized by
+``capacity`` or ``memory_budget_bytes``); the SSD tier adds, in memory,
 24 bytes per index slot (key, score, record number) and 17 bytes per slab
 record (free list, write generation, durable flag), and on disk one record per
 row plus the slack copy-on-write needs: the rows freed since the last flush
@@ -14,16 +14,12 @@ from __future__ import annotations
 
 import math
 
-from torchrec_kvemb import table as kv_table
+from torchrec_kvemb.memory import table_memory
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import WAYS, KVTableOptions
 from torchrec_kvemb.ssd.slab import HEADER_BYTES, record_words
-from torchrec_kvemb.ssd.tier import (
-    BOOKKEEPING_BYTES_PER_RECORD,
-    INDEX_BYTES_PER_SLOT,
-    INITIAL_BUCKETS,
-    MAX_LOAD,
-)
+from torchrec_kvemb.ssd.slot_index import INDEX_BYTES_PER_SLOT, INITIAL_BUCKETS, MAX_LOAD
+from torchrec_kvemb.ssd.store import BOOKKEEPING_BYTES_PER_RECORD
 
 #: Slab records per row the tier may need (see the module docstring).
 SLAB_SLACK = 1.5
@@ -61,14 +57,9 @@ def storage_estimate(
             optim=FusedOptimConfig(),
         )   # {"memory_bytes": ..., "disk_bytes": ..., ...}
     """
-    optim = optim or FusedOptimConfig()
-    state_dim = optim.state_dim(dim)
-    memory_rows = kv_table.resolve_capacity(options, dim, state_dim)
-    memory = memory_rows * kv_table.bytes_per_row(dim, state_dim)
-    if options.admission_threshold > 1:
-        counted = options.admission_counter_capacity or memory_rows
-        memory += math.ceil(counted / WAYS) * WAYS * kv_table.COUNTER_BYTES_PER_ID
-    record_bytes = 8 * record_words(dim, state_dim)
+    in_memory = table_memory(options, dim, optim or FusedOptimConfig())
+    memory_rows, memory = in_memory.rows, in_memory.bytes
+    record_bytes = 8 * record_words(dim, in_memory.state_dim)
     out = {
         "memory_bytes": memory,
         "disk_bytes": 0,

@@ -83,11 +83,16 @@ def _fsync(fd: int) -> None:
     os.fsync(fd)
 
 
+def fsync_fd(fd: int) -> None:
+    """fsync an open file descriptor (through ``_fsync``, which tests replace)."""
+    _fsync(fd)
+
+
 def fsync_path(path: Path) -> None:
     """fsync a file or directory by path."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        _fsync(fd)
+        fsync_fd(fd)
     finally:
         os.close(fd)
 
@@ -223,7 +228,7 @@ class Slab:
         try:
             _fallocate(self._files.fd, 0, HEADER_BYTES)
             os.pwrite(self._files.fd, header, 0)
-            _fsync(self._files.fd)
+            fsync_fd(self._files.fd)
             fsync_path(self.path.parent)
         except OSError as err:
             raise storage_error(self.table, self.path, "write", err) from err
@@ -349,7 +354,7 @@ class Slab:
         try:
             if self._mmap is not None:
                 self._mmap.flush()
-            _fsync(self._files.fd)
+            fsync_fd(self._files.fd)
         except OSError as err:
             raise storage_error(self.table, self.path, "sync", err) from err
 

@@ -1,18 +1,15 @@
-"""The SSD tier of one table shard: an id index in memory over a slab file on disk.
+"""``SSDStore``: one table shard's rows on disk, an id index in memory over a slab file.
 
 Files, one pair per table and rank, in ``SSDOptions.path``::
 
     <table>.rank<r>.slab     the records (see ``slab.py``)
     <table>.rank<r>.index    the durable index, rewritten by every ``flush``
 
-**Index.** The same bucketed index as the in-memory table (``keys`` and
-``scores [buckets, WAYS]``, the ``probe`` op), plus ``record [buckets * WAYS]``:
-the slab record that holds each slot's row. Its scores are the SSD tier's
-eviction scores. With a ``capacity`` the index has ``capacity`` slots and the
-``insert`` op drops rows by its eviction policy (counted in ``ssd_evictions``);
-without one, ids go to empty ways (``place``) and the index doubles its
-buckets before it passes half full, or when a bucket overflows, so it never
-drops a row.
+**Index.** A :class:`~torchrec_kvemb.ssd.slot_index.SlotIndex`: the same
+bucketed index as the in-memory table, plus the slab record that holds each
+slot's row. Its scores are the SSD tier's eviction scores. With a ``capacity``
+the index has ``capacity`` slots and drops rows by its eviction policy
+(counted in ``ssd_evictions``); without one it grows and never drops a row.
 
 **Copy-on-write.** A row is never rewritten in place: every write takes a free
 record. The index written by the last ``flush`` names the records it needs
@@ -28,7 +25,7 @@ rows, the table's counters) to ``.index.tmp``, fsyncs it, renames it over
 
 Example::
 
-    tier = SSDTier("user", dim=8, state_dim=1, options=SSDOptions("/mnt/ssd"), rank=0)
+    tier = SSDStore("user", dim=8, state_dim=1, options=SSDOptions("/mnt/ssd"), rank=0)
     tier.reserve(2)
     tier.put(ids, memory_scores, ssd_scores, rows)      # rows [2, 9]: weights + state
     slots = tier.lookup(ids)
@@ -49,32 +46,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchrec_kvemb.ops.hashing import index_bucket
-from torchrec_kvemb.ops.insert import insert, remove
-from torchrec_kvemb.ops.probe import probe
 from torchrec_kvemb.options import WAYS, EvictionPolicy, SSDOptions
-from torchrec_kvemb.ssd import slab as slab_io
 from torchrec_kvemb.ssd.prefetch import Prefetcher
-from torchrec_kvemb.ssd.slab import KVStorageError, Slab, storage_error
+from torchrec_kvemb.ssd.slab import KVStorageError, Slab, fsync_fd, fsync_path, storage_error
+from torchrec_kvemb.ssd.slot_index import INITIAL_BUCKETS, SlotIndex
 
 INDEX_FORMAT = 1
-#: Buckets of an unbounded index when it starts (1024 slots).
-INITIAL_BUCKETS = 64
-#: An unbounded index doubles its main part before it passes this load. Ids
-#: whose main bucket is full go to a stash (why: at a load of 0.75 about 2% of
-#: the ids overflow a 16-way bucket; doubling for each overflow instead kept
-#: the load near 0.2, 120 bytes of index per row).
-MAX_LOAD = 0.75
-#: The stash has 1/32 of the main buckets (an odd count, so that its buckets
-#: spread the ids of one main bucket); the main part doubles when the stash
-#: holds more than 1/32 of the main slots.
-STASH_SHARE = 32
 #: Records the slab grows by at least, and half its size (why: each growth maps
 #: the file anew, and every page then faults once more on first touch).
 MIN_GROWTH = 1024
-#: Bytes of memory per index slot (key, score, record) and per slab record
-#: (free-list entry, write generation, durable flag).
-INDEX_BYTES_PER_SLOT = 24
+#: Bytes of memory per slab record (free-list entry, write generation, durable flag).
 BOOKKEEPING_BYTES_PER_RECORD = 17
 
 COUNTERS = (
@@ -87,207 +68,6 @@ COUNTERS = (
     "ssd_prefetch_hits",
     "ssd_flushes",
 )
-
-
-def place(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Put ids that ``keys`` does not hold into the first empty ways of their
-    buckets; returns their slots, -1 for the ids of a bucket without room for
-    all of them (left out, whole).
-
-    The ways ``insert`` gives absent ids in buckets with room (within a bucket
-    in the given order, not by id), without its probe and ranking (why: 3x
-    less time for the 5k demotions of a training step; a rehash in one sort).
-    """
-    ways = keys.shape[1]
-    buckets = index_bucket(ids, keys.shape[0])
-    sorted_buckets, order = torch.sort(buckets, stable=True)
-    touched, counts = torch.unique_consecutive(sorted_buckets, return_counts=True)
-    free = keys.index_select(0, touched) < 0
-    fits = counts <= free.sum(dim=1)
-    take = free & fits.unsqueeze(1) & (torch.cumsum(free, dim=1) <= counts.unsqueeze(1))
-    row, way = take.nonzero(as_tuple=True)
-    src = order[torch.repeat_interleave(fits, counts)]
-    new_slots = touched[row] * ways + way
-    keys.view(-1).index_copy_(0, new_slots, ids[src])
-    slots = torch.full_like(ids, -1)
-    slots[src] = new_slots
-    return slots
-
-
-class SlotIndex:
-    """The SSD tier's id index: a bucketed index (as in memory: ``keys`` and
-    ``scores [buckets, WAYS]``, probed by ``probe``) with a slab record per slot.
-
-    Bounded (``stash=False``): fixed size, the ``insert`` op ranks new ids
-    against stored ones. Unbounded: ids go to empty ways (``place``); those
-    whose bucket is full go to a stash, a second index probed after the main
-    one; the main part doubles as it fills. Slots are global: main slots, then
-    stash slots from ``main_slots`` on.
-    """
-
-    def __init__(self, buckets: int, stash: bool) -> None:
-        self.keys, self.scores, self.record = self._arrays(buckets)
-        self.stash = self._arrays(self._stash_buckets(buckets)) if stash else None
-        self.size = 0
-
-    @staticmethod
-    def _arrays(buckets: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        keys = torch.full((buckets, WAYS), -1, dtype=torch.int64)
-        return keys, torch.zeros_like(keys), torch.full((buckets * WAYS,), -1, dtype=torch.int64)
-
-    @staticmethod
-    def _stash_buckets(main_buckets: int) -> int:
-        return (main_buckets // STASH_SHARE) | 1
-
-    @property
-    def main_slots(self) -> int:
-        return self.keys.numel()
-
-    @property
-    def slots(self) -> int:
-        """Slots in all (main and stash)."""
-        return self.main_slots + (self.stash[0].numel() if self.stash is not None else 0)
-
-    def _split(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(positions in the stash, their stash slots)``; None when none is there."""
-        if self.stash is None:
-            return None
-        in_stash = (slots >= self.main_slots).nonzero().squeeze(1)
-        if in_stash.numel() == 0:
-            return None
-        return in_stash, slots[in_stash] - self.main_slots
-
-    def get(self, which: int, slots: torch.Tensor) -> torch.Tensor:
-        """Scores (``which=1``) or records (``which=2``) at ``slots``."""
-        flat = (self.keys, self.scores, self.record)[which].view(-1)
-        split = self._split(slots)
-        if split is None:
-            return flat[slots]
-        out = flat[slots.clamp(max=self.main_slots - 1)]
-        pos, local = split
-        out[pos] = self.stash[which].view(-1)[local]
-        return out
-
-    def set(self, which: int, slots: torch.Tensor, values: torch.Tensor) -> None:
-        """Write scores (``which=1``) or records (``which=2``) at ``slots``."""
-        split = self._split(slots)
-        if split is None:
-            (self.keys, self.scores, self.record)[which].view(-1)[slots] = values
-            return
-        pos, local = split
-        main = torch.ones_like(slots, dtype=torch.bool)
-        main[pos] = False
-        (self.keys, self.scores, self.record)[which].view(-1)[slots[main]] = values[main]
-        self.stash[which].view(-1)[local] = values[pos]
-
-    def probe(self, ids: torch.Tensor) -> torch.Tensor:
-        """Global slots of ``ids``; -1 where absent."""
-        slots = probe(self.keys, ids)
-        if self.stash is not None and self.size > 0:
-            missing = (slots < 0).nonzero().squeeze(1)
-            if missing.numel():
-                local = probe(self.stash[0], ids[missing])
-                slots[missing] = torch.where(local >= 0, local + self.main_slots, -1)
-        return slots
-
-    def live(self) -> torch.Tensor:
-        """Global slots of every stored id."""
-        slots = (self.keys.view(-1) >= 0).nonzero().squeeze(1)
-        if self.stash is not None:
-            local = (self.stash[0].view(-1) >= 0).nonzero().squeeze(1)
-            slots = torch.cat([slots, local + self.main_slots])
-        return slots
-
-    def remove(self, slots: torch.Tensor) -> None:
-        """Empty ``slots``."""
-        split = self._split(slots)
-        if split is None:
-            remove(self.keys, self.scores, slots)
-            self.record[slots] = -1
-        else:
-            pos, local = split
-            main = slots[slots < self.main_slots]
-            remove(self.keys, self.scores, main)
-            self.record[main] = -1
-            remove(self.stash[0], self.stash[1], local)
-            self.stash[2][local] = -1
-        self.size -= slots.numel()
-
-    def insert(
-        self, ids: torch.Tensor, values: torch.Tensor, keep_existing: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Bounded: the ``insert`` op over the main part: ``(stored [n] bool, their
-        slots, rows evicted)``; the records those slots held stay to be read."""
-        result = insert(self.keys, self.scores, ids, values, False, keep_existing)
-        evicted = result.evicted_ids.numel()
-        self.size += int(result.inserted.sum()) - evicted
-        stored = result.slots >= 0
-        return stored, result.slots[stored], evicted
-
-    def add(self, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Unbounded: store absent ``ids`` with scores ``values``; their slots."""
-        n = ids.numel()
-        buckets = self.keys.shape[0]
-        while self.size + n > MAX_LOAD * buckets * WAYS:
-            buckets *= 2
-        if buckets != self.keys.shape[0]:
-            self._rehash(buckets)
-        slots = place(self.keys, ids)
-        over = (slots < 0).nonzero().squeeze(1)
-        if over.numel():
-            slots[over] = self._place_stash(ids[over])
-            if self._stash_size() > self.main_slots // STASH_SHARE:
-                self.size += n
-                self.set(1, slots, values)
-                self._rehash(2 * self.keys.shape[0])
-                return self.probe(ids)
-        self.size += n
-        self.set(1, slots, values)
-        return slots
-
-    def _stash_size(self) -> int:
-        return int((self.stash[0] >= 0).sum())
-
-    def _place_stash(self, ids: torch.Tensor) -> torch.Tensor:
-        """Global slots of ``ids`` placed in the stash (which doubles until they fit)."""
-        while True:
-            local = place(self.stash[0], ids)
-            if bool((local >= 0).all()):
-                return local + self.main_slots
-            placed = local >= 0
-            self.stash[0].view(-1)[local[placed]] = -1  # undo, then grow and retry
-            self._rebuild_stash(2 * self.stash[0].shape[0] + 1)
-
-    def _rebuild_stash(self, buckets: int) -> None:
-        keys, scores, record = self.stash
-        live = (keys.view(-1) >= 0).nonzero().squeeze(1)
-        ids = keys.view(-1)[live]
-        while True:
-            new = self._arrays(buckets)
-            local = place(new[0], ids)
-            if bool((local >= 0).all()):
-                break
-            buckets = 2 * buckets + 1
-        new[1].view(-1)[local] = scores.view(-1)[live]
-        new[2][local] = record[live]
-        self.stash = new
-
-    def _rehash(self, buckets: int) -> None:
-        """Place every entry anew in a main part of ``buckets`` buckets (and a stash)."""
-        live = self.live()
-        ids = torch.cat([self.keys.view(-1), self.stash[0].view(-1)])[live]
-        scores, records = self.get(1, live), self.get(2, live)
-        self.keys, self.scores, self.record = self._arrays(buckets)
-        self.stash = self._arrays(self._stash_buckets(buckets))
-        slots = place(self.keys, ids)
-        over = (slots < 0).nonzero().squeeze(1)
-        if over.numel():
-            slots[over] = self._place_stash(ids[over])
-        self.set(1, slots, scores)
-        self.set(2, slots, records)
-
-    def memory_bytes(self) -> int:
-        return self.slots * INDEX_BYTES_PER_SLOT
 
 
 def default_rank() -> int:
@@ -313,7 +93,7 @@ class Restored:
     meta: dict[str, Any]
 
 
-class SSDTier:
+class SSDStore:
     """One table shard's SSD tier (see the module docstring).
 
     Rows are ``[n, dim + state_dim]`` float32 (weights, then optimizer state);
@@ -376,7 +156,7 @@ class SSDTier:
             fd = os.open(probe_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 os.write(fd, bytes(4096))
-                slab_io._fsync(fd)
+                fsync_fd(fd)
             finally:
                 os.close(fd)
                 probe_file.unlink(missing_ok=True)
@@ -492,11 +272,11 @@ class SSDTier:
 
     def scores_of(self, slots: torch.Tensor) -> torch.Tensor:
         """The tier's eviction scores at ``slots``."""
-        return self._index.get(1, slots)
+        return self._index.scores_at(slots)
 
     def records_of(self, slots: torch.Tensor) -> torch.Tensor:
         """The slab records at ``slots``."""
-        return self._index.get(2, slots)
+        return self._index.records_at(slots)
 
     def _index_insert(
         self, ids: torch.Tensor, values: torch.Tensor
@@ -510,7 +290,7 @@ class SSDTier:
             keep = self.options.eviction == EvictionPolicy.NONE
             stored, slots, evicted = self._index.insert(ids, values, keep)
             self.counters["ssd_evictions"] += evicted + ids.numel() - slots.numel()
-        return stored, slots, self._index.get(2, slots)
+        return stored, slots, self._index.records_at(slots)
 
     def put(
         self,
@@ -529,7 +309,7 @@ class SSDTier:
         stored, slots, old = self._index_insert(ids, ssd_scores)
         records = self._alloc(slots.numel())
         self._write(records, ids[stored], memory_scores[stored], rows[stored])
-        self._index.set(2, slots, records)
+        self._index.set_records(slots, records)
         self._release(old[old >= 0])
 
     def adopt(self, ids: torch.Tensor, ssd_scores: torch.Tensor, records: torch.Tensor) -> None:
@@ -537,7 +317,7 @@ class SSDTier:
         if ids.numel() == 0:
             return
         stored, slots, old = self._index_insert(ids, ssd_scores)
-        self._index.set(2, slots, records[stored])
+        self._index.set_records(slots, records[stored])
         self._release(old[old >= 0])
         self._release(records[~stored])
 
@@ -545,7 +325,7 @@ class SSDTier:
         """Take the ids at ``slots`` out of the tier (their records are freed)."""
         if slots.numel() == 0:
             return
-        self._release(self._index.get(2, slots))
+        self._release(self._index.records_at(slots))
         self._index.remove(slots)
 
     # ----------------------------------------------------------------- rows
@@ -557,7 +337,7 @@ class SSDTier:
         where still valid (``use_staged``), the rest are read. A record that fails
         its checks (``ok`` False) is counted in ``ssd_corrupt`` and dropped."""
         self._check_open()
-        records = self._index.get(2, slots)
+        records = self._index.records_at(slots)
         staged = self._prefetcher.take() if use_staged else None
         usable = None
         if staged is not None:
@@ -591,7 +371,7 @@ class SSDTier:
         ids = ids[found]
         if ids.numel() == 0:
             return
-        records = self._index.get(2, slots[found])
+        records = self._index.records_at(slots[found])
         generations = self._generation[records]
         view, slab = self.slab.view(), self.slab
         self.counters["ssd_reads"] += records.numel()
@@ -607,7 +387,7 @@ class SSDTier:
         """Every row the tier holds: ``(ids, memory scores, rows)``, corrupt ones left out."""
         self._check_open()
         slots = self._index.live()
-        ids = self._index.get(0, slots)
+        ids = self._index.ids_at(slots)
         scores, rows, ok = self.fetch(ids, slots, use_staged=False)
         return ids[ok], scores[ok], rows[ok]
 
@@ -645,7 +425,7 @@ class SSDTier:
             self._free_count += records.numel()
             raise
         in_use = torch.zeros(self.slab.records, dtype=torch.bool)
-        in_use[self._index.get(2, self._index.live())] = True
+        in_use[self._index.records_at(self._index.live())] = True
         in_use[records] = True
         generation = self._generation
         self._reset_records(in_use)
@@ -663,9 +443,9 @@ class SSDTier:
             **meta,
         }
         arrays = {
-            "ssd_ids": self._index.get(0, live).numpy(),
-            "ssd_scores": self._index.get(1, live).numpy(),
-            "ssd_records": self._index.get(2, live).numpy(),
+            "ssd_ids": self._index.ids_at(live).numpy(),
+            "ssd_scores": self._index.scores_at(live).numpy(),
+            "ssd_records": self._index.records_at(live).numpy(),
             "mem_ids": mem_ids.numpy(),
             "mem_records": mem_records.numpy(),
             "meta": np.array(json.dumps(header)),
@@ -675,9 +455,9 @@ class SSDTier:
             with open(tmp, "wb") as f:
                 np.savez(f, **arrays)
                 f.flush()
-                slab_io._fsync(f.fileno())
+                fsync_fd(f.fileno())
             os.replace(tmp, self.index_path)
-            slab_io.fsync_path(self.directory)
+            fsync_path(self.directory)
         except OSError as err:
             tmp.unlink(missing_ok=True)
             raise storage_error(self.table, self.index_path, "write", err) from err

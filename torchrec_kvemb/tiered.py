@@ -1,0 +1,416 @@
+"""``TieredKVTable``: a KV table whose rows in memory are a cache over a lower tier.
+
+The lower tier (an :class:`~torchrec_kvemb.ssd.store.SSDStore`: rows on disk)
+is used through its public methods only:
+
+* ``lookup_train`` / ``lookup_eval``: an id the lower tier holds is promoted
+  (its row, optimizer state and score come back to memory) and the rows that
+  make room for it are demoted (written to the lower tier);
+* ``insert``: overwrites the row in whichever tier holds it; rows that find no
+  memory row go to the lower tier;
+* ``find`` and ``export``: read both tiers;
+* ``prefetch``, ``flush``, ``close``; at construction, what the last flush of a
+  previous run left is restored.
+
+The two tiers never hold the same id. ``KVTable(..., options)`` with
+``options.ssd`` builds this class. See docs/ssd-tier.md.
+
+Example::
+
+    table = KVTable("user", 8, KVTableOptions(capacity=1000, ssd=SSDOptions("/mnt/ssd")))
+    slots = table.lookup_train(ids)   # promotes the SSD rows of ids, demotes to make room
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchrec_kvemb.ops.hashing import INT64_MAX, route_bucket
+from torchrec_kvemb.optimizer import FusedOptimConfig
+from torchrec_kvemb.options import WAYS, EvictionPolicy, KVTableOptions
+from torchrec_kvemb.ssd.store import SSDStore, default_rank
+from torchrec_kvemb.table import KVTable, max_per_unique
+from torchrec_kvemb.validation import check_ids
+
+
+class TieredKVTable(KVTable, serves_ssd=True):
+    """A :class:`~torchrec_kvemb.table.KVTable` over an SSD tier (``options.ssd``).
+
+    Example::
+
+        table = TieredKVTable("user", 8, KVTableOptions(capacity=1000,
+                                                         ssd=SSDOptions("/mnt/ssd")))
+        table.flush()   # every row durable; reopening the path restores them
+        table.close()
+    """
+
+    def __init__(
+        self,
+        name: str,
+        dim: int,
+        options: KVTableOptions,
+        optim: FusedOptimConfig | None = None,
+        device: torch.device | str | None = None,
+        rank: int | None = None,
+    ) -> None:
+        super().__init__(name, dim, options, optim, device)
+        ssd = options.ssd
+        policy = options.eviction
+        if policy == EvictionPolicy.NONE:
+            raise ValueError(
+                f"table {name!r}: an SSD tier needs a table that evicts "
+                "(EvictionPolicy.NONE never demotes a row)"
+            )
+        if ssd.eviction in (EvictionPolicy.LFU, EvictionPolicy.CUSTOM_SCORE) and (
+            ssd.eviction != policy
+        ):
+            raise ValueError(
+                f"table {name!r}: SSD eviction {ssd.eviction.name} ranks rows by the "
+                f"table's scores, which are {policy.name} scores; use LRU or NONE"
+            )
+        rank = default_rank() if rank is None else rank
+        self._store = SSDStore(name, dim, self.state_dim, ssd, rank)
+        try:
+            self._restore()
+        except BaseException:
+            self._store.close()
+            raise
+
+    @property
+    def ssd(self) -> SSDStore:
+        """The SSD tier under the in-memory rows."""
+        return self._store
+
+    @property
+    def total_size(self) -> int:
+        """Ids stored in memory and on the SSD tier."""
+        return self.size + self._store.size
+
+    def room(self) -> int | None:
+        """Memory rows plus the SSD tier's capacity (None when the tier grows)."""
+        if self.options.ssd.capacity is None:
+            return None
+        return self.capacity + self._store.capacity
+
+    def tier_metrics(self) -> dict[str, float]:
+        return {**self._store.counters, "ssd_size": self._store.size}
+
+    def _restore(self) -> None:
+        """Load what the last flush of a previous run left: counters, memory rows
+        (those that no longer fit go to the SSD tier)."""
+        store = self._store
+        if store.restored is None:
+            return
+        self.step = int(store.restored.meta.get("step", 0))
+        self.optim_step = int(store.restored.meta.get("optim_step", 0))
+        ids, records, scores, rows = store.read_restored()
+        result = self.index.insert(
+            ids.to(self.device), scores.to(self.device), accumulate=False, keep_existing=True
+        )
+        stored = result.slots >= 0
+        rows = rows.to(self.device)
+        self.set_rows(result.slots[stored], rows[stored.to(rows.device)])
+        left = (~stored).cpu()
+        store.adopt(ids[left], self._ssd_scores(scores[left]), records[left])
+
+    # --------------------------------------------------------------- lookups
+    def lookup_train(
+        self, ids: torch.Tensor, custom_scores: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``KVTable.lookup_train`` over both tiers: an id the SSD tier holds competes
+        for a memory row as a stored id would (it outranks new ids and unprotected
+        stored ones), and comes back with its row, state and score."""
+        uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+        mem_slots = self.index.probe(uniq)
+        miss = (mem_slots < 0).nonzero().squeeze(1)
+        found, ssd_slots, ssd_scores, ssd_rows = self._fetch(uniq, miss)
+        self._reserve(miss.numel())  # every eviction makes room for a missed id
+        self._count_ssd(counts, miss, found)
+        self.step += 1
+        values = self.score_values(
+            uniq, counts, max_per_unique(custom_scores, inverse, uniq.numel())
+        ).clone()
+        accumulate = self.options.eviction == EvictionPolicy.LFU
+        promoted_scores = values[found] + ssd_scores if accumulate else values[found]
+        values[found] = INT64_MAX
+        before = self._scores_before(uniq[miss])
+        stored = mem_slots >= 0
+        stored[found] = True
+        slots_u, hit_u, inserted_u, result = self.compete(uniq, counts, values, stored)
+        promoted = (slots_u[found] >= 0).nonzero().squeeze(1)
+        self._store.remove(ssd_slots[promoted.cpu()])
+        self._demote(result.evicted_ids, result.evicted_slots, before)
+        self._promote(slots_u[found[promoted]], ssd_rows[promoted], promoted_scores[promoted])
+        self.count("inserts", -promoted.numel())
+        inserted_u[found[promoted]] = False
+        self.init_rows_at(slots_u[inserted_u], uniq[inserted_u])
+        self.count_hits(ids.numel(), counts, hit_u)
+        return slots_u[inverse]
+
+    def lookup_eval(self, ids: torch.Tensor) -> torch.Tensor:
+        """``KVTable.lookup_eval`` over both tiers: ids held by the SSD tier are promoted
+        (outranking unprotected stored ids; the batch's hits keep their rows and
+        scores), so that the pooled lookup finds them in memory."""
+        uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+        mem_slots = self.index.probe(uniq)
+        hit = mem_slots >= 0
+        miss = (~hit).nonzero().squeeze(1)
+        found, ssd_slots, ssd_scores, ssd_rows = self._fetch(uniq, miss)
+        if found.numel():
+            self._reserve(found.numel())  # every eviction makes room for a promotion
+        self.count_hits(ids.numel(), counts, hit)
+        self._count_ssd(counts, miss, found)
+        if found.numel() == 0:
+            return mem_slots[inverse]
+        before = self._scores_before(uniq[found])
+        # The batch's hits in the buckets promotions go to stay protected, scores unchanged.
+        hit_idx = hit.nonzero().squeeze(1)
+        near = torch.isin(self.index.buckets_of(uniq[hit_idx]), before[0])
+        hit_idx = hit_idx[near]
+        accumulate = self.options.eviction == EvictionPolicy.LFU
+        hit_values = self.index.scores_at(mem_slots[hit_idx])
+        values = torch.cat(
+            [
+                torch.zeros_like(hit_values) if accumulate else hit_values,
+                torch.full_like(found, INT64_MAX),
+            ]
+        )
+        result = self.index.insert(
+            uniq[torch.cat([hit_idx, found])], values, accumulate=accumulate, keep_existing=False
+        )
+        self.count("evictions", result.evicted_ids.numel())
+        slots_u = mem_slots.clone()
+        found_slots = result.slots[hit_idx.numel() :]
+        slots_u[found] = found_slots
+        promoted = (found_slots >= 0).nonzero().squeeze(1)
+        self._store.remove(ssd_slots[promoted.cpu()])
+        self._demote(result.evicted_ids, result.evicted_slots, before)
+        self._promote(found_slots[promoted], ssd_rows[promoted], ssd_scores[promoted])
+        return slots_u[inverse]
+
+    # ------------------------------------------------------ reads and writes
+    def insert(
+        self,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        state: torch.Tensor | None = None,
+        scores: torch.Tensor | None = None,
+        *,
+        exact_scores: bool = False,
+    ) -> torch.Tensor:
+        """``KVTable.insert`` over both tiers: an id held by the SSD tier is overwritten
+        as a stored id would be (and moves to memory); rows that find no memory row
+        go to the SSD tier (slot -1)."""
+        ids, values = self._checked_insert(ids, weights, state, scores, exact_scores)
+        store = self._store
+        ssd_slots = store.lookup(ids.cpu())
+        held = (ssd_slots >= 0).nonzero().squeeze(1)
+        old_scores, _, ok = store.fetch(ids.cpu()[held], ssd_slots[held], use_staged=False)
+        held, old_scores = held[ok], old_scores[ok].to(self.device)
+        self._reserve(ids.numel())
+        store.remove(ssd_slots[held])
+        held = held.to(self.device)
+        given = values
+        values = values.clone()
+        accumulate = self.options.eviction == EvictionPolicy.LFU and not exact_scores
+        held_scores = values[held] + old_scores if accumulate else values[held]
+        values[held] = INT64_MAX
+        before = self._scores_before(ids)
+        result = self.insert_ids(ids, values)
+        self.count("inserts", -int(result.inserted[held].sum()))  # they were stored
+        self._demote(result.evicted_ids, result.evicted_slots, before)
+        held_slots = result.slots[held]
+        placed = held_slots >= 0
+        self.index.set_scores(held_slots[placed], held_scores[placed])
+        stored = result.slots >= 0
+        slots = result.slots[stored]
+        if exact_scores:  # an LFU hit in memory added its value to the stored count
+            self.index.set_scores(slots, given[stored])
+        weights = weights.to(self.weights)
+        state = (
+            state.to(self.state)
+            if state is not None
+            else torch.zeros(ids.numel(), self.state_dim, device=self.device)
+        )
+        self.weights.index_copy_(0, slots, weights[stored])
+        self.state.index_copy_(0, slots, state[stored])
+        left = ~stored
+        memory_scores = values
+        memory_scores[held] = held_scores
+        memory_scores = memory_scores[left].cpu()
+        rows = torch.cat([weights[left], state[left]], dim=1).cpu()
+        store.put(ids[left].cpu(), memory_scores, self._ssd_scores(memory_scores), rows)
+        return result.slots
+
+    def find(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``KVTable.find`` over both tiers (read-only: nothing is promoted)."""
+        ids = check_ids(self.name, ids).to(self.device)
+        rows, found = super().find(ids)
+        if bool(found.all()):
+            return rows, found
+        missing = (~found).nonzero().squeeze(1)
+        uniq, inverse = torch.unique(ids[missing], return_inverse=True)
+        ssd_slots = self._store.lookup(uniq.cpu())
+        held = (ssd_slots >= 0).nonzero().squeeze(1)
+        _, ssd_rows, ok = self._store.fetch(uniq.cpu()[held], ssd_slots[held], use_staged=False)
+        got = torch.zeros(uniq.numel(), dtype=torch.bool)
+        got[held[ok]] = True
+        uniq_rows = torch.zeros(uniq.numel(), self.dim, dtype=rows.dtype)
+        uniq_rows[held[ok]] = ssd_rows[ok, : self.dim]
+        rows[missing] = uniq_rows.to(self.device)[inverse]
+        found[missing] = got.to(self.device)[inverse]
+        return rows, found
+
+    def export(self, route_buckets: int | None = None) -> dict[str, torch.Tensor]:
+        """``KVTable.export`` over both tiers."""
+        memory = super().export()
+        ssd_ids, ssd_scores, ssd_rows = self._store.export()
+        ids, order = torch.sort(torch.cat([memory["ids"], ssd_ids.to(self.device)]))
+        if route_buckets is not None:
+            by_bucket = torch.sort(route_bucket(ids, route_buckets), stable=True).indices
+            ids, order = ids[by_bucket], order[by_bucket]
+        ssd_rows = ssd_rows.to(self.device)
+        out = {
+            "ids": ids,
+            "weights": torch.cat([memory["weights"], ssd_rows[:, : self.dim]])[order],
+            "scores": torch.cat([memory["scores"], ssd_scores.to(self.device)])[order],
+        }
+        ssd_state = self.optim.split_state(ssd_rows[:, self.dim :], self.dim)
+        for name, value in ssd_state.items():
+            out[name] = torch.cat([memory[name], value])[order]
+        return out
+
+    def load_rows(
+        self,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        state: torch.Tensor | None,
+        scores: torch.Tensor | None,
+        step: tuple[int, int] | None = None,
+    ) -> int:
+        """``KVTable.load_rows`` over both tiers: each index bucket keeps its rows of
+        the highest scores in memory (then smallest ids, as an insert ranks them), the
+        others go to the SSD tier; every row keeps its score in either tier. Nothing
+        is lost (0)."""
+        if step is not None:
+            # why first: an SSD tier ranking rows by demotion time (LRU over another
+            # policy) stamps the rows it takes now with the saved step.
+            self.step, self.optim_step = step
+        if ids.numel():
+            self.insert(ids, weights, state, scores, exact_scores=scores is not None)
+        return 0
+
+    def clear(self) -> None:
+        """Remove every id from both tiers, and the admission counts."""
+        super().clear()
+        if self._store.size:
+            ids = self._store.export()[0]
+            self._store.remove(self._store.lookup(ids))
+
+    def prefetch(self, ids: torch.Tensor) -> None:
+        """Start reading, on a background thread, the SSD rows of ids a coming lookup
+        will need (those not in memory now); the next lookup uses them if they are
+        still current."""
+        ids = check_ids(self.name, ids).to(self.device)
+        uniq = torch.unique(ids)
+        self._store.prefetch(uniq[self.index.probe(uniq) < 0].cpu())
+
+    # ------------------------------------------------------------ durability
+    def flush(self) -> None:
+        """Make every row durable: the SSD tier's and the in-memory ones (written to
+        the slab as a snapshot), then the index, atomically. Reopening the SSD path
+        after this returns restores the table as of now (rows, optimizer state,
+        scores, step counters; admission counts restart). Raises ``KVStorageError``
+        (naming the table and file) on an I/O error; the previous flush then stays
+        the durable one."""
+        slots = self.index.live_slots()
+        self._store.flush(
+            self.index.ids_at(slots).cpu(),
+            self.index.scores_at(slots).cpu(),
+            self.rows_at(slots).cpu(),
+            {"step": self.step, "optim_step": self.optim_step},
+        )
+
+    def close(self) -> None:
+        """``flush()``, then close the SSD tier's files (a no-op when closed already).
+        The table cannot be used afterwards."""
+        if self._store.closed:
+            return
+        self.flush()
+        self._store.close()
+
+    def reserve(self, n: int) -> None:
+        """Room on disk for ``n`` rows before anything changes (a full disk raises
+        ``KVStorageError`` here)."""
+        self._store.reserve(n)
+
+    # ------------------------------------------------------------- internals
+    def _ssd_scores(self, memory_scores: torch.Tensor) -> torch.Tensor:
+        """The SSD tier's eviction scores of rows leaving memory with ``memory_scores``."""
+        policy = self.options.ssd.eviction
+        if policy == EvictionPolicy.NONE:
+            return torch.zeros_like(memory_scores)
+        if policy == self.options.eviction:
+            return memory_scores
+        return torch.full_like(memory_scores, self.step)  # LRU over another policy: demotion time
+
+    def _reserve(self, n: int) -> None:
+        """Room in the slab for ``n`` rows, before anything in memory changes (a
+        full disk raises here); flushes first when that frees enough records."""
+        if self._store.needs_flush(n):
+            self.flush()
+        self._store.reserve(n)
+
+    def _scores_before(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scores of the buckets of ``ids``, kept to know evicted rows' scores."""
+        buckets = torch.unique(self.index.buckets_of(ids))
+        return buckets, self.index.scores.index_select(0, buckets)
+
+    def _demote(
+        self,
+        evicted_ids: torch.Tensor,
+        evicted_slots: torch.Tensor,
+        before: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        """Write the rows evicted from memory to the SSD tier (call before their
+        slots are refilled)."""
+        if evicted_ids.numel() == 0:
+            return
+        buckets, scores = before
+        row = torch.searchsorted(buckets, evicted_slots // WAYS)
+        memory_scores = scores[row, evicted_slots % WAYS].cpu()
+        rows = self.rows_at(evicted_slots)
+        self._store.put(
+            evicted_ids.cpu(), memory_scores, self._ssd_scores(memory_scores), rows.cpu()
+        )
+        self.count("demotions", evicted_ids.numel())
+
+    def _count_ssd(self, counts: torch.Tensor, miss: torch.Tensor, found: torch.Tensor) -> None:
+        """Count the id occurrences of ``miss`` the SSD tier held (``found``) or not."""
+        ssd_hits = int(counts[found].sum())
+        self.count("ssd_hits", ssd_hits)
+        self.count("ssd_misses", int(counts[miss].sum()) - ssd_hits)
+
+    def _fetch(
+        self, uniq: torch.Tensor, miss: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """SSD rows of ``uniq[miss]``: ``(positions in uniq, SSD slots, memory
+        scores, rows [k, dim + state_dim])`` of those the tier holds intact."""
+        miss_ids = uniq[miss].cpu()
+        ssd_slots = self._store.lookup(miss_ids)
+        held = (ssd_slots >= 0).nonzero().squeeze(1)
+        scores, rows, ok = self._store.fetch(miss_ids[held], ssd_slots[held])
+        held = held[ok]
+        found = miss[held.to(miss.device)]
+        return (
+            found,
+            ssd_slots[held],
+            scores[ok].to(self.device),
+            rows[ok].to(self.device),
+        )
+
+    def _promote(self, slots: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> None:
+        """Rows fetched from the SSD tier take their new memory ``slots``."""
+        self.set_rows(slots, rows)
+        self.index.set_scores(slots, scores)
+        self.count("promotions", slots.numel())
