@@ -41,3 +41,22 @@ def init_values(ids, cols, seed_mix, normal: tl.constexpr, a, b):
         return a + b * radius * tl.cos(6.283185307179586 * u2)
     else:
         return a + (b - a) * u1
+
+
+@triton.jit
+def init_values_any(ids, cols, seed_mix, normal, a, b):
+    """``init_values`` of ids of several tables: ``seed_mix``, ``normal`` (a run-time
+    flag) and float64 ``a``, ``b`` are per id, rounded as the torch path rounds them
+    (``b - a`` and ``a`` to float32). Values of ``ids[:, None]`` x ``cols[None, :]``."""
+    base = fmix64(ids ^ seed_mix)
+    step = (cols + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
+    mixed = base.to(tl.uint64, bitcast=True)[:, None] + step[None, :]
+    bits = fmix64(mixed.to(tl.int64, bitcast=True))
+    u1 = ((bits >> 40) & 0xFFFFFF).to(tl.float32) * (1.0 / 16777216.0)
+    u2 = ((bits >> 16) & 0xFFFFFF).to(tl.float32) * (1.0 / 16777216.0)
+    width = (b - a).to(tl.float32)[:, None]
+    low = a.to(tl.float32)[:, None]
+    uniform = u1 * width + low
+    radius = tl.sqrt(-2.0 * tl.log(1.0 - u1))
+    gaussian = low + b.to(tl.float32)[:, None] * radius * tl.cos(6.283185307179586 * u2)
+    return tl.where((normal != 0)[:, None], gaussian, uniform)

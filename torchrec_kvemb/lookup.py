@@ -1,77 +1,70 @@
-"""Pooled lookup with the optimizer fused into backward, for one KV table.
+"""The pooled lookup of a group of KV tables, with the optimizer fused into backward.
 
-Forward pools rows by slot; backward reduces the gradient per row and
-updates the rows in place (no ``.grad`` for the table). The backend of each
-op is chosen in ``ops/dispatch.py``.
+Forward pools the group's rows by slot; backward reduces the gradient per row
+and applies each table's optimizer in place (no ``.grad`` for KV tables). The
+backend of each op is chosen in ``ops/dispatch.py``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from torchrec_kvemb.group import KVTableGroup
 from torchrec_kvemb.ops import dispatch
-from torchrec_kvemb.table import KVTable
+from torchrec_kvemb.ops.contracts import Bags, GroupLookup
 
 
-def pooled_forward(
-    table: KVTable,
-    slots: torch.Tensor,
-    ids: torch.Tensor,
-    offsets: torch.Tensor,
-    per_sample_weights: torch.Tensor | None,
-    mean: bool,
-    missing_as_zero: bool,
-) -> torch.Tensor:
-    """Pooled rows ``[B, dim]``; ids without a row pool their initial value, or zeros."""
-    return dispatch.pooled_forward(
-        table.weights,
-        slots,
-        ids,
-        offsets,
-        per_sample_weights,
-        mean,
-        table.init_spec,
-        missing_as_zero,
-    )
+class GroupPooledLookup(torch.autograd.Function):
+    """``anchor`` (an empty tensor that requires grad) ties the output into autograd.
 
+    Example::
 
-def apply_gradients(
-    table: KVTable,
-    grad_out: torch.Tensor,
-    slots: torch.Tensor,
-    offsets: torch.Tensor,
-    per_sample_weights: torch.Tensor | None,
-    mean: bool,
-) -> None:
-    """Reduce ``grad_out`` per stored row and apply one optimizer step, in place."""
-    table.optim_step += 1
-    dispatch.fused_backward(
-        table.weights,
-        table.state,
-        grad_out,
-        slots,
-        offsets,
-        per_sample_weights,
-        mean,
-        table.optim,
-        table.optim_step,
-    )
-
-
-class KVPooledLookup(torch.autograd.Function):
-    """``anchor`` (an empty tensor that requires grad) ties the output into autograd."""
+        lookup = group.lookup_train(ids, table_idx)
+        pooled = GroupPooledLookup.apply(anchor, group, lookup, ids, table_idx, bags, bag_list)
+        pooled.sum().backward()   # rows of the group updated in place
+    """
 
     @staticmethod
-    def forward(ctx, anchor, table, slots, ids, offsets, per_sample_weights, mean, training):
-        ctx.table = table
-        ctx.mean = mean
-        ctx.save_for_backward(slots, offsets, per_sample_weights)
-        return pooled_forward(
-            table, slots, ids, offsets, per_sample_weights, mean, missing_as_zero=not training
+    def forward(ctx, anchor, group, lookup, ids, table_idx, bags, bag_list):
+        ctx.group = group
+        ctx.lookup = lookup
+        ctx.bags = bags
+        return dispatch.group_pooled_forward(
+            group, lookup.slots, ids, table_idx, bags, bag_list, missing_as_zero=False
         )
 
     @staticmethod
     def backward(ctx, grad_out):
-        slots, offsets, per_sample_weights = ctx.saved_tensors
-        apply_gradients(ctx.table, grad_out, slots, offsets, per_sample_weights, ctx.mean)
-        return (None,) * 8
+        dispatch.group_fused_backward(ctx.group, ctx.lookup, grad_out, ctx.bags)
+        return (None,) * 7
+
+
+def pooled_train(
+    anchor: torch.Tensor,
+    group: KVTableGroup,
+    ids: torch.Tensor,
+    table_idx: torch.Tensor,
+    bags: Bags,
+    bag_list: torch.Tensor,
+    custom_scores: torch.Tensor | None = None,
+    custom_tables: list[bool] | None = None,
+) -> torch.Tensor:
+    """A training batch of the group: new ids get rows, the pooled rows ``[B, dim]``
+    (meaningful for the bags in ``bag_list``) come out tied into autograd, and
+    backward updates the rows."""
+    lookup: GroupLookup = group.lookup_train(ids, table_idx, custom_scores, custom_tables)
+    return GroupPooledLookup.apply(anchor, group, lookup, ids, table_idx, bags, bag_list)
+
+
+def pooled_eval(
+    group: KVTableGroup,
+    ids: torch.Tensor,
+    table_idx: torch.Tensor,
+    bags: Bags,
+    bag_list: torch.Tensor,
+) -> torch.Tensor:
+    """An evaluation batch of the group (read-only): ids without a row pool zeros."""
+    slots = group.lookup_eval(ids, table_idx)
+    return dispatch.group_pooled_forward(
+        group, slots, ids, table_idx, bags, bag_list, missing_as_zero=True
+    )

@@ -8,16 +8,16 @@ Memory per row of capacity: see ``torchrec_kvemb.memory``. With
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
 from torchrec_kvemb.index import BucketIndex
 from torchrec_kvemb.memory import bytes_per_row, resolve_capacity, table_memory
-from torchrec_kvemb.ops.contracts import InitSpec, InsertResult, seed_mix
+from torchrec_kvemb.ops.contracts import InitSpec, InsertResult, init_spec, seed_mix
 from torchrec_kvemb.ops.hashing import init_rows, route_bucket
 from torchrec_kvemb.optimizer import FusedOptimConfig
-from torchrec_kvemb.options import WAYS, EvictionPolicy, Initializer, KVTableOptions
+from torchrec_kvemb.options import WAYS, EvictionPolicy, KVTableOptions
 from torchrec_kvemb.ssd.store import COUNTERS as SSD_COUNTERS
 from torchrec_kvemb.validation import KVInputError, check_ids, check_rows
 
@@ -36,6 +36,62 @@ METRIC_NAMES = (
     "promotions",
     "demotions",
 )
+
+
+class TableStorage(NamedTuple):
+    """The arrays of a table: its index, rows and admission counter. A group of
+    tables (``torchrec_kvemb.group``) allocates one set and gives each table views.
+
+    Example::
+
+        storage = TableStorage.allocate(rows=64, dim=8, state_dim=1, counter_ids=0)
+        table = KVTable("t", 8, KVTableOptions(capacity=64), storage=storage)
+    """
+
+    keys: torch.Tensor  # [rows / WAYS, WAYS] int64, -1: empty
+    scores: torch.Tensor  # [rows / WAYS, WAYS] int64
+    weights: torch.Tensor  # [rows, dim] float32
+    state: torch.Tensor  # [rows, state_dim] float32
+    counter_keys: torch.Tensor  # [counter_ids / WAYS, WAYS] int64
+    counter_scores: torch.Tensor  # [counter_ids / WAYS, WAYS] int64
+    counts: torch.Tensor  # [counter_ids] int64
+
+    @classmethod
+    def allocate(
+        cls,
+        rows: int,
+        dim: int,
+        state_dim: int,
+        counter_ids: int,
+        device: torch.device | str | None = None,
+    ) -> TableStorage:
+        """Empty arrays for ``rows`` rows and ``counter_ids`` admission entries (both
+        multiples of ``WAYS``)."""
+        keys = torch.full((rows // WAYS, WAYS), -1, dtype=torch.int64, device=device)
+        counter_keys = torch.full((counter_ids // WAYS, WAYS), -1, dtype=torch.int64, device=device)
+        return cls(
+            keys,
+            torch.zeros_like(keys),
+            torch.zeros(rows, dim, dtype=torch.float32, device=device),
+            torch.zeros(rows, state_dim, dtype=torch.float32, device=device),
+            counter_keys,
+            torch.zeros_like(counter_keys),
+            torch.zeros(counter_ids, dtype=torch.int64, device=device),
+        )
+
+    def part(self, rows: tuple[int, int], counter_ids: tuple[int, int]) -> TableStorage:
+        """Views of rows ``[lo, hi)`` and admission entries ``[lo, hi)`` (multiples of
+        ``WAYS``): one table's share of a group's arrays."""
+        (r0, r1), (c0, c1) = rows, counter_ids
+        return TableStorage(
+            self.keys[r0 // WAYS : r1 // WAYS],
+            self.scores[r0 // WAYS : r1 // WAYS],
+            self.weights[r0:r1],
+            self.state[r0:r1],
+            self.counter_keys[c0 // WAYS : c1 // WAYS],
+            self.counter_scores[c0 // WAYS : c1 // WAYS],
+            self.counts[c0:c1],
+        )
 
 
 def max_per_unique(
@@ -95,7 +151,9 @@ class KVTable:
         optim: FusedOptimConfig | None = None,
         device: torch.device | str | None = None,
         rank: int | None = None,
+        storage: TableStorage | None = None,
     ) -> None:
+        """``storage``: arrays to use (views of a group's), instead of new ones."""
         if dim <= 0:
             raise ValueError(f"table {name!r}: dim must be > 0, got {dim}")
         self.name = name
@@ -107,21 +165,29 @@ class KVTable:
         self._memory = table_memory(options, dim, self._optim)
         self.state_dim = self._memory.state_dim
         self.capacity = self._memory.rows
-        self.index = BucketIndex.empty(self.capacity // WAYS, self.device)
-        self.weights = torch.zeros(self.capacity, dim, dtype=torch.float32, device=self.device)
-        self.state = torch.zeros(
-            self.capacity, self.state_dim, dtype=torch.float32, device=self.device
-        )
         counted = self._memory.counter_ids
-        self.counter = BucketIndex.empty(counted // WAYS, self.device) if counted else None
-        self.counts = (
-            torch.zeros(self.counter.slots, dtype=torch.int64, device=self.device)
-            if self.counter is not None
-            else None
+        if storage is None:
+            storage = TableStorage.allocate(
+                self.capacity, dim, self.state_dim, counted, self.device
+            )
+        elif storage.weights.shape != (self.capacity, dim) or storage.counts.numel() != counted:
+            raise ValueError(
+                f"table {name!r}: storage for {storage.weights.shape[0]} rows of dim "
+                f"{storage.weights.shape[1]} and {storage.counts.numel()} admission entries; "
+                f"the options need {self.capacity} rows of dim {dim} and {counted} entries"
+            )
+        self.index = BucketIndex(storage.keys, storage.scores)
+        self.weights = storage.weights
+        self.state = storage.state
+        self.counter = (
+            BucketIndex(storage.counter_keys, storage.counter_scores) if counted else None
         )
+        self.counts = storage.counts if counted else None
         self.step = 0  # training lookups so far: the LRU clock
         self.optim_step = 0  # optimizer steps so far: Adam's bias correction
         self._metrics = dict.fromkeys(METRIC_NAMES, 0)
+        #: Counters a grouped lookup adds on the device (``METRIC_NAMES`` order), or None.
+        self.device_metrics: torch.Tensor | None = None
 
     # ----------------------------------------------------------------- views
     @property
@@ -150,10 +216,7 @@ class KVTable:
 
     @property
     def init_spec(self) -> InitSpec:
-        o = self.options
-        if o.initializer == Initializer.NORMAL:
-            return InitSpec(o.seed, True, o.init_mean, o.init_std)
-        return InitSpec(o.seed, False, o.init_low, o.init_high)
+        return init_spec(self.options)
 
     @property
     def seed_mix(self) -> int:
@@ -301,6 +364,9 @@ class KVTable:
         """Counters since creation, plus ``size``, ``capacity`` and ``load_factor`` (of
         the in-memory tier) and ``ssd_size`` (see docs/ssd-tier.md for the SSD ones)."""
         out: dict[str, float] = dict(self._metrics)
+        if self.device_metrics is not None:
+            for name, value in zip(METRIC_NAMES, self.device_metrics.tolist(), strict=True):
+                out[name] += value
         out.update(self.tier_metrics())
         size = self.size
         out.update(size=size, capacity=self.capacity, load_factor=size / self.capacity)

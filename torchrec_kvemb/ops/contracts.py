@@ -30,11 +30,20 @@ The outcome depends only on the index and the batch, never on thread timing.
 
 **Initial rows** depend only on (id, seed, column): see ``InitSpec`` and
 ``ops.hashing.init_rows``.
+
+**Groups.** The tables of a group share one index and one row array, as
+FBGEMM's TBE does with table offsets (``GroupLayout``): table ``t`` owns
+buckets ``[bucket_offset[t], bucket_offset[t] + num_buckets[t])`` and an id
+of table ``t`` lives in bucket ``bucket_offset[t] + index_bucket(id,
+num_buckets[t])``. A grouped op gives, table by table, exactly what the
+per-table ops give.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
@@ -93,25 +102,6 @@ class InitSpec(NamedTuple):
     b: float
 
 
-def bag_scale(
-    offsets: torch.Tensor, per_sample_weights: torch.Tensor | None, mean: bool, n: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-id bag index ``[n]`` and multiplier ``[n]`` (sample weight, / bag length if
-    ``mean``): what a pooled backward scales each id's gradient by."""
-    lengths = offsets[1:] - offsets[:-1]
-    bags = torch.repeat_interleave(
-        torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=n
-    )
-    scale = (
-        per_sample_weights.to(torch.float32)
-        if per_sample_weights is not None
-        else torch.ones(n, dtype=torch.float32, device=offsets.device)
-    )
-    if mean:
-        scale = scale / lengths.clamp(min=1).to(torch.float32)[bags]
-    return bags, scale
-
-
 class BucketizeResult(NamedTuple):
     """Outputs of ``block_bucketize_2d``.
 
@@ -155,3 +145,147 @@ class BucketizeInputs(NamedTuple):
 def stable_argsort(values: torch.Tensor, descending: bool = False) -> torch.Tensor:
     """The stable sort permutation of ``values`` (the ranking sorts rely on stability)."""
     return torch.sort(values, stable=True, descending=descending).indices
+
+
+#: Eviction policy codes of ``GroupLayout.policy`` (``EvictionPolicy`` order).
+POLICY_CODES = {"lru": 0, "lfu": 1, "custom_score": 2, "none": 3}
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Per-table layout and settings of a group of tables, ``[T]`` tensors on the
+    group's device (built once, read by every grouped op).
+
+    Tables own consecutive bucket ranges of the group index in their order, and
+    admission tables consecutive ranges of the counter index.
+
+    Example::
+
+        layout = GroupLayout.build(num_buckets=[64, 3], counter_num_buckets=[0, 3],
+                                   options=[KVTableOptions(capacity=1024),
+                                            KVTableOptions(capacity=48, admission_threshold=2)])
+    """
+
+    bucket_offset: torch.Tensor  # [T] int64
+    num_buckets: torch.Tensor  # [T] int64
+    policy: torch.Tensor  # [T] int64, POLICY_CODES
+    admission_threshold: torch.Tensor  # [T] int64
+    counter_bucket_offset: torch.Tensor  # [T] int64
+    counter_num_buckets: torch.Tensor  # [T] int64 (0 without admission)
+    seed_mix: torch.Tensor  # [T] int64
+    init_normal: torch.Tensor  # [T] int64: 1 normal, 0 uniform
+    init_a: torch.Tensor  # [T] float64: low (uniform) or mean (normal)
+    init_b: torch.Tensor  # [T] float64: high (uniform) or std (normal)
+    init_specs: tuple[InitSpec, ...]
+    has_admission: bool  # some table admits ids after several sightings
+
+    @classmethod
+    def build(
+        cls,
+        num_buckets: Sequence[int],
+        counter_num_buckets: Sequence[int],
+        options: Sequence[Any],
+        device: torch.device | str | None = None,
+    ) -> GroupLayout:
+        """The layout of tables with these bucket counts and ``KVTableOptions``."""
+        specs = tuple(init_spec(o) for o in options)
+
+        def ints(values: Sequence[int]) -> torch.Tensor:
+            return torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
+
+        def offsets(sizes: Sequence[int]) -> torch.Tensor:
+            t = ints(sizes)
+            return torch.cumsum(t, 0) - t
+
+        counters = [
+            c if o.admission_threshold > 1 else 0 for c, o in zip(counter_num_buckets, options)
+        ]
+        return cls(
+            bucket_offset=offsets(num_buckets),
+            num_buckets=ints(num_buckets),
+            policy=ints([POLICY_CODES[o.eviction.value] for o in options]),
+            admission_threshold=ints([o.admission_threshold for o in options]),
+            counter_bucket_offset=offsets(counters),
+            counter_num_buckets=ints(counters),
+            seed_mix=ints([seed_mix(s.seed) for s in specs]),
+            init_normal=ints([int(s.normal) for s in specs]),
+            init_a=torch.tensor([float(s.a) for s in specs], dtype=torch.float64, device=device),
+            init_b=torch.tensor([float(s.b) for s in specs], dtype=torch.float64, device=device),
+            init_specs=specs,
+            has_admission=any(o.admission_threshold > 1 for o in options),
+        )
+
+    @property
+    def num_tables(self) -> int:
+        return self.num_buckets.numel()
+
+
+def init_spec(options: Any) -> InitSpec:
+    """The ``InitSpec`` of a table built from ``KVTableOptions``."""
+    if options.initializer.value == "normal":
+        return InitSpec(options.seed, True, options.init_mean, options.init_std)
+    return InitSpec(options.seed, False, options.init_low, options.init_high)
+
+
+def run_of_each(ends: torch.Tensor, n: int) -> torch.Tensor:
+    """The run of each of ``n`` positions cut into runs ending at ``ends`` (exclusive,
+    non-decreasing, the last one ``n``): ``[n]`` int64.
+
+    why not ``repeat_interleave``: it needs the output size on the host (a sync on a
+    GPU); marking each run's end and a cumulative sum do not."""
+    marks = torch.zeros(n + 1, dtype=torch.int64, device=ends.device)
+    marks.scatter_add_(0, ends[:-1].clamp(max=n), torch.ones_like(ends[:-1]))
+    return torch.cumsum(marks[:n], 0)
+
+
+class Bags(NamedTuple):
+    """A batch's bags for a pooled lookup: ``offsets [B + 1]`` (the ids of bag ``b``
+    are ``[offsets[b], offsets[b + 1])``), the bag of every id ``bag_of [n]``, and
+    every id's multiplier ``scale [n]`` (its per-sample weight, divided by the bag
+    length where the table pools by MEAN; None: every id counts 1).
+
+    Example::
+
+        bags = Bags.build(torch.tensor([0, 2, 2, 5]), n=5, mean=True)
+        bags.bag_of   # tensor([0, 0, 2, 2, 2])
+        bags.scale    # tensor([0.5, 0.5, 0.3333, 0.3333, 0.3333])
+    """
+
+    offsets: torch.Tensor
+    bag_of: torch.Tensor
+    scale: torch.Tensor | None
+
+    @classmethod
+    def build(
+        cls,
+        offsets: torch.Tensor,
+        n: int,
+        per_sample_weights: torch.Tensor | None = None,
+        mean: bool | torch.Tensor = False,
+    ) -> Bags:
+        """The bags of ``n`` ids cut by ``offsets`` (``offsets[-1] == n``); ``mean``:
+        every bag pools by MEAN, or a bool per bag."""
+        offsets = offsets.to(torch.int64)
+        bag_of = run_of_each(offsets[1:], n)
+        scale = per_sample_weights.to(torch.float32) if per_sample_weights is not None else None
+        if isinstance(mean, torch.Tensor) or mean:
+            lengths = offsets[1:] - offsets[:-1]
+            divisor = lengths.clamp(min=1).to(torch.float32)
+            if isinstance(mean, torch.Tensor):
+                divisor = torch.where(mean, divisor, 1.0)
+            base = scale if scale is not None else torch.ones(n, device=offsets.device)
+            # why divide (not multiply by 1/len): MEAN pooling divides, bit for bit.
+            scale = base / divisor[bag_of]
+        return cls(offsets, bag_of, scale)
+
+
+class GroupLookup(NamedTuple):
+    """What a grouped training lookup hands its backward: the global slot of every
+    id (-1: no row), and what the backend that made it needs to reduce gradients
+    (e.g. the unique rows and each id's unique; None where it needs nothing)."""
+
+    slots: torch.Tensor
+    unique_index: torch.Tensor | None = None  # [n] the unique of each id
+    unique_slots: torch.Tensor | None = None  # [U] global slot of each unique (-1: none)
+    unique_table: torch.Tensor | None = None  # [U] table of each unique
+    extra: Any = None

@@ -9,6 +9,9 @@ use, so that a CPU-only process never compiles them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
 
 from torchrec_kvemb.backend import use_triton
@@ -18,16 +21,27 @@ from torchrec_kvemb.ops.block_bucketize import (
     bucketize_prepared_torch,
     prepare_inputs,
 )
-from torchrec_kvemb.ops.contracts import BucketizeResult, InitSpec, InsertResult, bag_scale
+from torchrec_kvemb.ops.contracts import (
+    Bags,
+    BucketizeResult,
+    GroupLookup,
+    InsertResult,
+)
 from torchrec_kvemb.ops.insert import insert_torch
 from torchrec_kvemb.ops.optimizer_update import (
     fbgemm_supports,
     fused_backward_fbgemm,
     optimizer_update_torch,
 )
-from torchrec_kvemb.ops.pooled_lookup import pooled_backward_torch, pooled_forward_torch
+from torchrec_kvemb.ops.pooled_lookup import (
+    group_pooled_backward_torch,
+    group_pooled_forward_torch,
+)
 from torchrec_kvemb.ops.probe import probe_torch
-from torchrec_kvemb.optimizer import FusedOptimConfig
+from torchrec_kvemb.optimizer import OptimKind, WeightDecay
+
+if TYPE_CHECKING:
+    from torchrec_kvemb.group import KVTableGroup
 
 
 def probe(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -125,68 +139,151 @@ def block_bucketize_2d(
     return bucketize_prepared_torch(inp)
 
 
-def pooled_forward(
-    weights: torch.Tensor,
-    slots: torch.Tensor,
-    ids: torch.Tensor,
-    offsets: torch.Tensor,
-    per_sample_weights: torch.Tensor | None,
-    mean: bool,
-    init: InitSpec,
-    missing_as_zero: bool,
-) -> torch.Tensor:
-    """Pooled rows ``[B, dim]``; ids without a row (slot -1) pool their initial value
-    (``init``), or zeros when ``missing_as_zero`` (read-only lookups)."""
-    if use_triton(slots.device):
-        from torchrec_kvemb.kernels import pooled_lookup as kernel
+# -------------------------------------------------------------- grouped ops
+def group_backend(group: KVTableGroup, device: torch.device) -> str:
+    """The backend of a group's ops: ``"triton"``, or ``"torch"`` (the per-table path)."""
+    if group.per_table_only:
+        return "torch"
+    if use_triton(device):
+        return "triton"
+    return "torch"
 
-        if missing_as_zero:
-            stored = (slots >= 0).to(torch.float32)
-            per_sample_weights = (
-                stored if per_sample_weights is None else per_sample_weights * stored
-            )
-        return kernel.pooled_forward_triton(
-            weights, slots, ids, offsets, per_sample_weights, mean, init
-        )
-    return pooled_forward_torch(
-        weights, slots, ids, offsets, per_sample_weights, mean, None if missing_as_zero else init
+
+def group_lookup_train(
+    group: KVTableGroup,
+    ids: torch.Tensor,
+    table_idx: torch.Tensor,
+    custom_scores: torch.Tensor | None,
+    custom_tables: Sequence[bool] | None,
+) -> GroupLookup:
+    """A group's training lookup (see ``KVTableGroup.lookup_train``)."""
+    backend = group_backend(group, ids.device)
+    if backend == "torch":
+        return group.lookup_train_per_table(ids, table_idx, custom_scores, custom_tables)
+    step = group.advance_clocks()
+    use_custom = None
+    if custom_scores is not None:
+        flags = [True] * group.num_tables if custom_tables is None else list(custom_tables)
+        use_custom = torch.tensor(flags, dtype=torch.int64, device=ids.device)
+    from torchrec_kvemb.kernels import group_lookup as kernel
+
+    s = group.storage
+    return kernel.group_lookup_train_triton(
+        group.layout,
+        s.keys,
+        s.scores,
+        s.weights,
+        s.state,
+        s.counter_keys,
+        s.counter_scores,
+        s.counts,
+        ids,
+        table_idx,
+        step,
+        group.metrics,
+        custom_scores,
+        use_custom,
     )
 
 
-def fused_backward(
-    weights: torch.Tensor,
-    state: torch.Tensor,
-    grad_out: torch.Tensor,
-    slots: torch.Tensor,
-    offsets: torch.Tensor,
-    per_sample_weights: torch.Tensor | None,
-    mean: bool,
-    config: FusedOptimConfig,
-    step: int,
-) -> None:
-    """Reduce ``grad_out`` per stored row (slot >= 0) and apply one optimizer step to
-    ``weights`` / ``state`` in place; ``step`` counts optimizer steps from 1."""
-    grad_out = grad_out.to(torch.float32).contiguous()
-    if use_triton(slots.device):
-        from torchrec_kvemb.kernels import optimizer_update, pooled_lookup
+def group_lookup_eval(
+    group: KVTableGroup, ids: torch.Tensor, table_idx: torch.Tensor
+) -> torch.Tensor:
+    """A group's evaluation lookup (see ``KVTableGroup.lookup_eval``)."""
+    backend = group_backend(group, ids.device)
+    if backend == "torch":
+        return group.lookup_eval_per_table(ids, table_idx)
+    from torchrec_kvemb.kernels import group_lookup as kernel
 
-        uniq, grads = pooled_lookup.pooled_backward_triton(
-            grad_out, slots, offsets, per_sample_weights, mean
+    return kernel.group_lookup_eval_triton(
+        group.layout, group.storage.keys, ids, table_idx, group.metrics
+    )
+
+
+def group_pooled_forward(
+    group: KVTableGroup,
+    slots: torch.Tensor,
+    ids: torch.Tensor,
+    table_idx: torch.Tensor,
+    bags: Bags,
+    bag_list: torch.Tensor,
+    missing_as_zero: bool,
+) -> torch.Tensor:
+    """Pooled rows ``[B, dim]`` of a group's batch (``ops.pooled_lookup.
+    group_pooled_forward_torch`` states the result); only the rows of the bags in
+    ``bag_list`` (the group's) are meaningful."""
+    if use_triton(slots.device):
+        from torchrec_kvemb.kernels import group_pooled as kernel
+
+        return kernel.group_pooled_forward_triton(
+            group.layout, group.weights, slots, ids, table_idx, bags, bag_list, missing_as_zero
         )
-        optimizer_update.optimizer_update_triton(weights, state, uniq, grads, config, step)
+    return group_pooled_forward_torch(
+        group.weights, slots, ids, table_idx, bags, group.layout.init_specs, missing_as_zero
+    )
+
+
+def group_fused_backward(
+    group: KVTableGroup, lookup: GroupLookup, grad_out: torch.Tensor, bags: Bags
+) -> None:
+    """Reduce ``grad_out [B, dim]`` per stored row of the group and apply one step of
+    each table's optimizer, in place."""
+    steps = group.advance_optimizer_steps()
+    grad_out = grad_out.to(torch.float32).contiguous()
+    slots = lookup.slots
+    config = group.optim
+    if use_triton(slots.device):
+        from torchrec_kvemb.kernels import group_pooled as kernel
+
+        decay = config.weight_decay
+        kernel.group_fused_backward_triton(
+            group.weights,
+            group.state,
+            grad_out,
+            slots,
+            group.table_of(slots),
+            bags,
+            _OPTIM_CODES[config.kind],
+            group.learning_rate_tensor(),
+            (1.0 - config.beta1 ** steps.to(torch.float64)).to(torch.float32),
+            (1.0 - config.beta2 ** steps.to(torch.float64)).to(torch.float32),
+            config.eps,
+            config.beta1,
+            config.beta2,
+            decay,
+            bool(decay) and config.weight_decay_mode == WeightDecay.L2,
+            bool(decay) and config.weight_decay_mode == WeightDecay.DECOUPLE,
+            bool(config.gradient_clipping),
+            config.max_gradient,
+        )
         return
-    if fbgemm_supports(config, weights):
+    lrs = group.learning_rates()
+    if fbgemm_supports(config, group.weights) and len(set(lrs)) == 1:
         stored = slots >= 0
-        if per_sample_weights is None and bool(stored.all()):
-            fused_backward_fbgemm(grad_out, weights, state, slots, offsets, None, config, mean)
+        if bags.scale is None and bool(stored.all()):
+            fused_backward_fbgemm(
+                grad_out, group.weights, group.state, slots, bags.offsets, None, config
+            )
             return
-        bags, scale = bag_scale(offsets, per_sample_weights, mean, slots.numel())
-        kept = torch.bincount(bags[stored], minlength=offsets.numel() - 1)
-        compact_offsets = torch.zeros(offsets.numel(), dtype=torch.int64, device=offsets.device)
-        torch.cumsum(kept, 0, out=compact_offsets[1:])
+        kept = torch.bincount(bags.bag_of[stored], minlength=bags.offsets.numel() - 1)
+        offsets = torch.zeros_like(bags.offsets)
+        torch.cumsum(kept, 0, out=offsets[1:])
+        scale = bags.scale[stored] if bags.scale is not None else None
         fused_backward_fbgemm(
-            grad_out, weights, state, slots[stored], compact_offsets, scale[stored], config
+            grad_out, group.weights, group.state, slots[stored], offsets, scale, config
         )
         return
-    uniq, grads = pooled_backward_torch(grad_out, slots, offsets, per_sample_weights, mean)
-    optimizer_update_torch(weights, state, uniq, grads, config, step)
+    uniq, grads = group_pooled_backward_torch(grad_out, slots, bags)
+    for table, start in zip(group.tables, group.row_offsets, strict=True):
+        mine = ((uniq >= start) & (uniq < start + table.capacity)).nonzero().squeeze(1)
+        optimizer_update_torch(
+            table.weights,
+            table.state,
+            uniq[mine] - start,
+            grads[mine],
+            table.optim,
+            table.optim_step,
+        )
+
+
+_OPTIM_CODES = {OptimKind.SGD: 0, OptimKind.ROWWISE_ADAGRAD: 1, OptimKind.ADAM: 2}

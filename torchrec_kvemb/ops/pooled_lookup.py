@@ -1,10 +1,12 @@
-"""Pooled lookup by slot: forward and per-row gradient reduction (torch path).
+"""Pooled lookup of a group of tables by slot: forward and per-row gradient
+reduction (torch path).
 
-Inputs describe one table's bags: ``slots [n]`` (-1 for ids without a row,
-which pool their initial value and get no gradient), ``ids [n]``, ``offsets
-[B + 1]``, optional per-sample weights ``[n]`` and ``mean`` pooling (divide by
-the bag's length, empty bags give zeros). The Triton twins are in
-``kernels/pooled_lookup.py``.
+A batch is ``slots [n]`` (global slots of the group's rows; -1 for ids without
+a row, which pool their table's initial value and get no gradient), ``ids
+[n]``, the table of each id ``table_idx [n]`` (-1: not the group's) and its
+``Bags`` (offsets, the bag of each id, each id's multiplier: per-sample weight,
+divided by the bag length for MEAN pooling). The Triton twins are in
+``kernels/group_pooled.py``.
 """
 
 from __future__ import annotations
@@ -12,67 +14,57 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from torchrec_kvemb.ops.contracts import InitSpec, bag_scale
+from torchrec_kvemb.ops.contracts import Bags, InitSpec
 from torchrec_kvemb.ops.hashing import init_rows
 
 
-def pooled_forward_torch(
+def group_pooled_forward_torch(
     weights: torch.Tensor,
     slots: torch.Tensor,
     ids: torch.Tensor,
-    offsets: torch.Tensor,
-    per_sample_weights: torch.Tensor | None,
-    mean: bool,
-    init: InitSpec | None,
+    table_idx: torch.Tensor,
+    bags: Bags,
+    init_specs: tuple[InitSpec, ...],
+    missing_as_zero: bool,
 ) -> torch.Tensor:
-    """Pooled rows ``[B, dim]``: sum (or mean) over each bag of row * sample weight.
-
-    ``init=None``: ids without a row pool as zeros (read-only lookups).
-    """
+    """Pooled rows ``[B, dim]`` of a group's batch: over each bag, the sum of
+    ``row * scale``. Ids with slot -1 pool their table's initial value
+    (``init_specs[table_idx]``), or zeros when ``missing_as_zero``; ids of no
+    table of the group (``table_idx`` -1) pool nothing."""
     stored = slots >= 0
-    if (per_sample_weights is None or not mean) and bool(stored.all()):
-        # why: the common case (every id has a row) pools in one embedding_bag call.
-        return F.embedding_bag(
-            slots,
-            weights,
-            offsets,
-            mode="mean" if mean else "sum",
-            per_sample_weights=None if per_sample_weights is None else per_sample_weights.float(),
-            include_last_offset=True,
-        )
-    n = slots.numel()
-    bags, scale = bag_scale(offsets, per_sample_weights, mean, n)
+    if bags.scale is None and bool(stored.all()):
+        return F.embedding_bag(slots, weights, bags.offsets, mode="sum", include_last_offset=True)
+    scale = bags.scale if bags.scale is not None else torch.ones(slots.numel(), device=slots.device)
     # why embedding_bag: it pools straight from the table by index (fbgemm's
     # kernel on CPU) instead of materializing n gathered rows.
     out = F.embedding_bag(
         slots.clamp(min=0),
         weights,
-        offsets[:-1],
+        bags.offsets,
         mode="sum",
         per_sample_weights=scale * stored,
-        include_last_offset=False,
+        include_last_offset=True,
     )
-    if out.shape[0] != offsets.numel() - 1:  # embedding_bag drops nothing, but be exact
-        out = out[: offsets.numel() - 1]
-    missing = (~stored).nonzero().squeeze(1)
-    if missing.numel() and init is not None:
-        rows = init_rows(ids[missing], weights.shape[1], init.seed, init.normal, init.a, init.b)
-        out.index_add_(0, bags[missing], rows * scale[missing].unsqueeze(1))
+    if missing_as_zero:
+        return out
+    for t, spec in enumerate(init_specs):
+        missing = ((~stored) & (table_idx == t)).nonzero().squeeze(1)
+        if missing.numel():
+            rows = init_rows(ids[missing], weights.shape[1], spec.seed, spec.normal, spec.a, spec.b)
+            out.index_add_(0, bags.bag_of[missing], rows * scale[missing].unsqueeze(1))
     return out
 
 
-def pooled_backward_torch(
-    grad_out: torch.Tensor,
-    slots: torch.Tensor,
-    offsets: torch.Tensor,
-    per_sample_weights: torch.Tensor | None,
-    mean: bool,
+def group_pooled_backward_torch(
+    grad_out: torch.Tensor, slots: torch.Tensor, bags: Bags
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradient per stored row: ``(unique slots [u] ascending, grads [u, dim])``."""
-    bags, scale = bag_scale(offsets, per_sample_weights, mean, slots.numel())
-    stored = slots >= 0
+    """Gradient per stored row of a group: ``(unique slots [u] ascending, grads [u, dim])``,
+    the sum over a row's ids of ``grad_out[bag] * scale``."""
+    stored = (slots >= 0).nonzero().squeeze(1)
     uniq, inverse = torch.unique(slots[stored], return_inverse=True)
-    contrib = grad_out.index_select(0, bags[stored]) * scale[stored].unsqueeze(1)
+    contrib = grad_out.index_select(0, bags.bag_of[stored])
+    if bags.scale is not None:
+        contrib = contrib * bags.scale[stored].unsqueeze(1)
     grads = torch.zeros(
         uniq.numel(), grad_out.shape[1], dtype=grad_out.dtype, device=grad_out.device
     )

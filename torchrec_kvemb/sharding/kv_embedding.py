@@ -29,11 +29,10 @@ from torchrec.modules.embedding_configs import PoolingType
 from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_kvemb.lookup import KVPooledLookup, pooled_forward
+from torchrec_kvemb.bag_lookup import BagTable, KVBagLookup
 from torchrec_kvemb.optimizer import OPTIMIZER_KEYS, FusedOptimConfig
 from torchrec_kvemb.options import KVTableOptions
 from torchrec_kvemb.table import KVTable
-from torchrec_kvemb.validation import check_ids
 
 
 def optim_config(fused_params: Mapping[str, Any] | None) -> FusedOptimConfig:
@@ -78,23 +77,38 @@ class KVTableSpecs:
     Example::
 
         specs = KVTableSpecs({"user": KVTableOptions(capacity=1 << 20)})
-        table = specs.build(sharded_table_config, fused_params, device, num_shards=4)
+        lookup = specs.bag_lookup(grouped_config, device, num_shards=4, pool_by_sum=True)
     """
 
     options: Mapping[str, KVTableOptions]
     optims: Mapping[str, FusedOptimConfig] = field(default_factory=dict)
 
-    def build(
+    def bag_lookup(
         self,
-        table: ShardedEmbeddingTable,
-        fused_params: Mapping[str, Any] | None,
+        config: GroupedEmbeddingConfig,
         device: torch.device | None,
         num_shards: int,
-    ) -> KVTable:
-        """This rank's shard of ``table``, one of ``num_shards`` (1 for table-wise)."""
-        optim = self.optims.get(table.name) or optim_config(fused_params)
-        options = shard_options(self.options[table.name], num_shards)
-        return KVTable(table.name, table.local_cols, options, optim, device)
+        pool_by_sum: bool,
+    ) -> KVBagLookup:
+        """This rank's shards (one of ``num_shards`` each; 1 for table-wise) of the
+        grouped config's tables, grouped. ``pool_by_sum``: MEAN tables pool by sum (their
+        ``1 / bag length`` comes as per-sample weights)."""
+        tables: list[ShardedEmbeddingTable] = config.embedding_tables
+        return KVBagLookup(
+            [
+                BagTable(
+                    t.name,
+                    t.local_cols,
+                    tuple(t.feature_names),
+                    t.pooling == PoolingType.MEAN and not pool_by_sum,
+                )
+                for t in tables
+            ],
+            {t.name: shard_options(self.options[t.name], num_shards) for t in tables},
+            {t.name: self.optims.get(t.name) or optim_config(config.fused_params) for t in tables},
+            device,
+            weights="if_present",
+        )
 
 
 class KVFusedOptimizer(FusedOptimizer):
@@ -154,30 +168,23 @@ class KVEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
 
     Example::
 
-        kernel = KVEmbeddingBag(grouped_config, [KVTable("t", 8, KVTableOptions(capacity=64))])
+        lookup = KVTableSpecs({"t": KVTableOptions(capacity=64)}).bag_lookup(
+            grouped_config, device=None, num_shards=1, pool_by_sum=False)
+        kernel = KVEmbeddingBag(grouped_config, lookup)
         pooled = kernel(kjt)  # [kjt.stride(), 8 * features of "t"]
     """
 
-    def __init__(
-        self,
-        config: GroupedEmbeddingConfig,
-        tables: Sequence[KVTable],
-        pool_by_sum: bool = False,
-    ) -> None:
+    def __init__(self, config: GroupedEmbeddingConfig, lookup: KVBagLookup) -> None:
         super().__init__()
-        if [t.name for t in tables] != config.table_names():
+        names = list(lookup.tables())
+        if names != config.table_names():
             raise ValueError(
-                f"KVEmbeddingBag: tables {[t.name for t in tables]} do not match the "
-                f"grouped config's {config.table_names()}"
+                f"KVEmbeddingBag: tables {names} do not match the grouped config's "
+                f"{config.table_names()}"
             )
         self._config = config
-        self.tables = list(tables)
-        self._mean = [
-            c.pooling == PoolingType.MEAN and not pool_by_sum for c in config.embedding_tables
-        ]
-        self._splits = [c.num_features() for c in config.embedding_tables]
-        # why: an empty tensor that requires grad ties the pooled output into autograd.
-        self._anchor = torch.empty(0, requires_grad=True)
+        self._lookup = lookup
+        self.tables = list(lookup.tables().values())
         self._optim = KVFusedOptimizer(self.tables)
 
     @property
@@ -201,29 +208,7 @@ class KVEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         if features.variable_stride_per_key():
             raise ValueError("KV tables: variable batch size per feature is not supported yet")
-        stride = features.stride()
-        pooled = []
-        for table, mean, kjt in zip(self.tables, self._mean, features.split(self._splits)):
-            ids = check_ids(table.name, kjt.values())
-            offsets = kjt.offsets().to(torch.int64)
-            weights = kjt.weights_or_none()
-            if weights is not None:
-                weights = weights.to(torch.float32)
-            if self.training:
-                slots = table.lookup_train(ids)
-                out = KVPooledLookup.apply(
-                    self._anchor, table, slots, ids, offsets, weights, mean, True
-                )
-            else:
-                slots = table.lookup_eval(ids)
-                out = pooled_forward(table, slots, ids, offsets, weights, mean, True)
-            num_features = len(kjt.keys())
-            # [features * stride, dim] (feature-major bags) -> [stride, features * dim]
-            out = out.view(num_features, stride, table.dim).transpose(0, 1)
-            pooled.append(out.reshape(stride, num_features * table.dim))
-        if not pooled:
-            return torch.empty(stride, 0, device=features.device())
-        return torch.cat(pooled, dim=1)
+        return self._lookup.pooled(features, self.training)
 
 
 class KVGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
@@ -270,11 +255,10 @@ class KVGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
     ) -> BaseEmbedding:
         if config.compute_kernel != EmbeddingComputeKernel.CUSTOMIZED_KERNEL:
             return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
-        tables = [
-            self._kv_specs.build(t, config.fused_params, device, self._kv_num_shards)
-            for t in config.embedding_tables
-        ]
-        return KVEmbeddingBag(config, tables, pool_by_sum=sharding_type == ShardingType.ROW_WISE)
+        lookup = self._kv_specs.bag_lookup(
+            config, device, self._kv_num_shards, pool_by_sum=sharding_type == ShardingType.ROW_WISE
+        )
+        return KVEmbeddingBag(config, lookup)
 
     def kv_tables(self) -> dict[str, KVTable]:
         """This rank's KV table shards, by table name."""

@@ -1,0 +1,317 @@
+"""``KVBagLookup``: the pooled lookup of a collection's KV tables, one grouped call per step.
+
+It holds the KV tables of an ``EmbeddingBagCollection`` (unsharded) or of one
+rank's grouped config (sharded), grouped: tables of one dim and optimizer
+share arrays (:class:`~torchrec_kvemb.group.KVTableGroup`) and are looked up
+together, whatever their number; a table with an SSD tier is a group of its
+own. ``pooled(features, training)`` takes a ``KeyedJaggedTensor`` and gives
+``[stride, sum of feature dims]`` (features in the order the tables were given),
+as TorchRec's TBE kernels do.
+
+The batch is checked before any table changes; on the fast paths the check
+reads one device flag (one host sync), and the id -> table map, the bags and
+the per-id scale are built with no other sync.
+
+Example::
+
+    lookup = KVBagLookup([BagTable("user", 8, ("u",), mean=False)],
+                         {"user": KVTableOptions(capacity=1000)}, FusedOptimConfig())
+    pooled = lookup.pooled(kjt, training=True)   # [kjt.stride(), 8]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_kvemb.group import KVTableGroup
+from torchrec_kvemb.lookup import pooled_eval, pooled_train
+from torchrec_kvemb.ops.contracts import Bags, run_of_each
+from torchrec_kvemb.optimizer import FusedOptimConfig
+from torchrec_kvemb.options import KVTableOptions
+from torchrec_kvemb.table import KVTable
+from torchrec_kvemb.validation import KVInputError, check_bags, check_ids
+
+
+@dataclass(frozen=True)
+class BagTable:
+    """A pooled table of a collection: name, dim, the features it reads, and whether
+    it pools by MEAN (else SUM)."""
+
+    name: str
+    dim: int
+    features: tuple[str, ...]
+    mean: bool = False
+
+
+class KVBagLookup:
+    """The KV tables of a collection, grouped, and their pooled lookup (see the module
+    docstring). ``optims``: one optimizer for all tables, or one per table name.
+    ``weights``: what the batch's per-sample weights are: ``"ignore"`` (an unweighted
+    collection), ``"required"`` (a weighted one) or ``"if_present"`` (a sharded
+    kernel, whose input dist may send them)."""
+
+    def __init__(
+        self,
+        tables: Sequence[BagTable],
+        options: Mapping[str, KVTableOptions],
+        optims: FusedOptimConfig | Mapping[str, FusedOptimConfig],
+        device: torch.device | str | None = None,
+        weights: str = "ignore",
+    ) -> None:
+        if weights not in ("ignore", "required", "if_present"):
+            raise ValueError(
+                f"KVBagLookup: weights must be ignore, required or if_present, got {weights!r}"
+            )
+        self.device = torch.device(device or "cpu")
+        self._weights = weights
+        self._specs = list(tables)
+        features = [f for t in tables for f in t.features]
+        if len(set(features)) != len(features):
+            shared = sorted({f for f in features if features.count(f) > 1})
+            raise ValueError(f"feature {shared[0]!r} is used by two tables")
+
+        def optim_of(name: str) -> FusedOptimConfig:
+            return optims if isinstance(optims, FusedOptimConfig) else optims[name]
+
+        by_key: dict[tuple, list[BagTable]] = {}
+        alone: list[BagTable] = []
+        for spec in tables:
+            if options[spec.name].ssd is not None:
+                alone.append(spec)
+            else:
+                optim = optim_of(spec.name)
+                key = (spec.dim, replace(optim, learning_rate=0.0))
+                by_key.setdefault(key, []).append(spec)
+        self.groups: list[KVTableGroup] = []
+        for (dim, _), specs in by_key.items():
+            names = [s.name for s in specs]
+            self.groups.append(
+                KVTableGroup(
+                    names,
+                    [options[n] for n in names],
+                    dim,
+                    device=self.device,
+                    optims=[optim_of(n) for n in names],
+                )
+            )
+        for spec in alone:
+            table = KVTable(
+                spec.name, spec.dim, options[spec.name], optim_of(spec.name), self.device
+            )
+            self.groups.append(KVTableGroup.alone(table))
+        # Where each table is: (group, index in the group).
+        self._where = {
+            table.name: (g, t)
+            for g, group in enumerate(self.groups)
+            for t, table in enumerate(group.tables)
+        }
+        self._anchor = torch.empty(0, requires_grad=True)
+        self._maps: dict[tuple, tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]] = {}
+
+    # ----------------------------------------------------------------- tables
+    def tables(self) -> dict[str, KVTable]:
+        """Every KV table by name, in the order they were given."""
+        out = {}
+        for spec in self._specs:
+            g, t = self._where[spec.name]
+            out[spec.name] = self.groups[g].tables[t]
+        return out
+
+    def feature_names(self) -> list[str]:
+        return [f for spec in self._specs for f in spec.features]
+
+    # ----------------------------------------------------------------- lookup
+    def pooled(
+        self,
+        features: KeyedJaggedTensor,
+        training: bool,
+        eviction_scores: Mapping[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Pool every feature's bags: ``[stride, sum of feature dims]``, features in the
+        order of the tables' ``features``. Training stores new ids and ties the output
+        into autograd (backward updates the rows); eval is read-only and ids without
+        a row pool zeros. ``eviction_scores``: per feature, one int per id, for tables
+        with ``EvictionPolicy.CUSTOM_SCORE``."""
+        keys = features.keys()
+        stride = features.stride()
+        ids, lengths, weights = self._checked(features)
+        if stride == 0 or not keys:
+            return torch.empty(stride, sum(s.dim * len(s.features) for s in self._specs))
+        table_maps, mean_of_feature, bag_lists = self._feature_maps(keys, stride)
+        n = ids.numel()
+        num_bags = lengths.numel()
+        offsets = torch.zeros(num_bags + 1, dtype=torch.int64, device=ids.device)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        feature_of_id = run_of_each(offsets[stride::stride], n)
+        mean = False
+        if any(spec.mean for spec in self._specs):
+            mean = mean_of_feature.unsqueeze(1).expand(len(keys), stride).reshape(-1)
+        bags = Bags.build(offsets, n, weights, mean)
+        custom = self._custom_scores(features, eviction_scores) if eviction_scores else None
+        pooled = []
+        for group, table_of_feature, bag_list in zip(
+            self.groups, table_maps, bag_lists, strict=True
+        ):
+            table_idx = table_of_feature[feature_of_id]
+            if training:
+                scores, flags = custom if custom is not None else (None, None)
+                out = pooled_train(
+                    self._anchor,
+                    group,
+                    ids,
+                    table_idx,
+                    bags,
+                    bag_list,
+                    scores,
+                    None if flags is None else [flags.get(t.name, False) for t in group.tables],
+                )
+            else:
+                out = pooled_eval(group, ids, table_idx, bags, bag_list)
+            pooled.append(out.view(len(keys), stride, group.dim))
+        position = {k: i for i, k in enumerate(keys)}
+        blocks = []
+        for spec in self._specs:
+            g, _ = self._where[spec.name]
+            blocks.extend(pooled[g][position[f]] for f in spec.features)
+        if not blocks:
+            return torch.empty(stride, 0, device=ids.device)
+        return torch.cat(blocks, dim=1)
+
+    def _feature_maps(
+        self, keys: list[str], stride: int
+    ) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+        """Per group, the table (index in the group) of each KJT feature, -1 where the
+        feature is not the group's; whether each KJT feature pools by MEAN; and per
+        group, the bags of its features (feature ``k``'s are ``[k * stride, (k + 1) *
+        stride)``)."""
+        cached = self._maps.get((tuple(keys), stride))
+        if cached is not None:
+            return cached
+        maps = [torch.full((len(keys),), -1, dtype=torch.int64) for _ in self.groups]
+        mean = torch.zeros(len(keys), dtype=torch.bool)
+        position = {k: i for i, k in enumerate(keys)}
+        for spec in self._specs:
+            g, t = self._where[spec.name]
+            for feature in spec.features:
+                maps[g][position[feature]] = t
+                mean[position[feature]] = spec.mean
+        bag_lists = [
+            (torch.nonzero(m >= 0).squeeze(1) * stride)
+            .unsqueeze(1)
+            .add(torch.arange(stride))
+            .reshape(-1)
+            .to(self.device)
+            for m in maps
+        ]
+        result = ([m.to(self.device) for m in maps], mean.to(self.device), bag_lists)
+        self._maps[(tuple(keys), stride)] = result
+        return result
+
+    def _checked(
+        self, features: KeyedJaggedTensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The batch's ``(ids int64, lengths int64, per-sample weights float32 | None)``
+        after every check (one host sync on the fast path); raises ``KVInputError``
+        naming the table and feature."""
+        if features.variable_stride_per_key():
+            raise KVInputError("variable batch size per feature is not supported unsharded")
+        keys = features.keys()
+        position = {k: i for i, k in enumerate(keys)}
+        for spec in self._specs:
+            for feature in spec.features:
+                if feature not in position:
+                    raise KVInputError(f"table {spec.name!r}: feature {feature!r} is missing")
+        values = features.values()
+        lengths = features.lengths()
+        weights = features.weights_or_none()
+        if self._weights == "ignore":
+            weights = None
+        elif self._weights == "required" and weights is None:
+            raise KVInputError("weighted collection: the KeyedJaggedTensor has no weights")
+        stride = features.stride()
+        if lengths.numel() != stride * len(keys):
+            raise KVInputError(
+                f"lengths has {lengths.numel()} entries, expected {stride} x {len(keys)} features"
+            )
+        if weights is not None and weights.numel() != values.numel():
+            raise KVInputError(
+                f"weights has {weights.numel()} entries but there are {values.numel()} ids"
+            )
+        lengths = lengths.to(torch.int64)
+        if (
+            values.dtype not in (torch.int64, torch.int32)
+            or values.dim() != 1
+            or (weights is not None and not weights.is_floating_point())
+        ):
+            self._explain(features)
+        bad = (lengths.sum() != values.numel()) | (lengths < 0).any()
+        if values.numel():
+            bad = bad | (values < 0).any()
+        if bool(bad):  # the one sync of the fast path
+            self._explain(features)
+        w = weights.to(torch.float32) if weights is not None else None
+        return values.to(torch.int64), lengths, w
+
+    def _explain(self, features: KeyedJaggedTensor) -> None:
+        """Raise the error a bad batch deserves, naming its table and feature (returns
+        when the only fault is a negative id of a feature no KV table reads)."""
+        keys = features.keys()
+        stride = features.stride()
+        values = features.values()
+        lengths = features.lengths()
+        length_per_key = lengths.view(len(keys), stride).sum(dim=1).tolist()
+        if sum(length_per_key) != values.numel():
+            raise KVInputError(
+                f"lengths sum to {sum(length_per_key)} but there are {values.numel()} ids"
+            )
+        starts = [0]
+        for n in length_per_key:
+            starts.append(starts[-1] + n)
+        position = {k: i for i, k in enumerate(keys)}
+        weights = features.weights_or_none() if self._weights != "ignore" else None
+        for spec in self._specs:
+            for feature in spec.features:
+                k = position[feature]
+                lo, hi = starts[k], starts[k + 1]
+                ids = check_ids(spec.name, values[lo:hi], what=f"ids of feature {feature!r}")
+                w = weights[lo:hi] if weights is not None else None
+                check_bags(spec.name, ids, lengths[k * stride : (k + 1) * stride], w)
+        if bool((lengths < 0).any()):
+            raise KVInputError("lengths must be >= 0")
+
+    def _custom_scores(
+        self, features: KeyedJaggedTensor, eviction_scores: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, bool]]:
+        """Per-id custom scores (0 where none is given) and which tables have them."""
+        keys = features.keys()
+        lengths = features.lengths().view(len(keys), features.stride()).sum(dim=1).tolist()
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        position = {k: i for i, k in enumerate(keys)}
+        scores = torch.zeros(features.values().numel(), dtype=torch.int64, device=self.device)
+        flags = {}
+        for spec in self._specs:
+            given = [f for f in spec.features if f in eviction_scores]
+            if not given:
+                continue
+            if len(given) != len(spec.features):
+                raise KVInputError(
+                    f"table {spec.name!r}: eviction_scores must cover all its features"
+                )
+            for feature in spec.features:
+                k = position[feature]
+                lo, hi = starts[k], starts[k + 1]
+                score = eviction_scores[feature]
+                if score.numel() != hi - lo:
+                    raise KVInputError(
+                        f"table {spec.name!r}: eviction_scores of {feature!r} has "
+                        f"{score.numel()} entries for {hi - lo} ids"
+                    )
+                scores[lo:hi] = score.to(device=self.device, dtype=torch.int64)
+            flags[spec.name] = True
+        return scores, flags

@@ -1,0 +1,239 @@
+"""``KVTableGroup``: KV tables that share one set of arrays and are looked up together.
+
+As FBGEMM's TBE does with table offsets, the tables of a group (same dim and
+optimizer, same device, no SSD tier) live in one index, one row array and one
+admission counter: table ``t`` owns the buckets ``[bucket_offset[t],
+bucket_offset[t] + num_buckets[t])`` (``GroupLayout``), so its slots, hence its
+rows, are a contiguous range of the group's. Each table stays a
+:class:`~torchrec_kvemb.table.KVTable` over views of those arrays (``find``,
+``insert``, ``export``, checkpoints work on it as on any table), and its
+semantics do not change: buckets of two tables never mix.
+
+A batch of the group is ``ids [n]`` with ``table_idx [n]`` (the table of each
+id; -1: not this group's) and is looked up in one call per step
+(``lookup_train`` / ``lookup_eval``), whose backend ``ops/dispatch.py``
+chooses: the native CPU kernel, the Triton kernels, or the torch path (one
+``KVTable`` call per table: the reference the others are tested against).
+
+Example::
+
+    group = KVTableGroup(["user", "item"], [KVTableOptions(capacity=1000)] * 2, dim=8)
+    lookup = group.lookup_train(ids, table_idx)     # global slots, -1: no row
+    group.tables[0].export()                        # "user"'s rows, as ever
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from torchrec_kvemb.memory import table_memory
+from torchrec_kvemb.ops import dispatch
+from torchrec_kvemb.ops.contracts import GroupLayout, GroupLookup
+from torchrec_kvemb.optimizer import FusedOptimConfig
+from torchrec_kvemb.options import WAYS, KVTableOptions
+from torchrec_kvemb.table import METRIC_NAMES, KVTable, TableStorage
+
+
+@dataclass
+class _Clock:
+    """Per-table counters the kernels read from a device tensor, mirrored on the host
+    (the host values are the truth; the device copy is refreshed only when they
+    changed otherwise than by one step)."""
+
+    values: torch.Tensor
+    host: list[int] = field(default_factory=list)
+
+    def advance(self, now: list[int]) -> torch.Tensor:
+        if now == [v + 1 for v in self.host]:
+            self.values.add_(1)
+        elif now != self.host:
+            self.values.copy_(torch.tensor(now, dtype=torch.int64))
+        self.host = now
+        return self.values
+
+
+class KVTableGroup:
+    """Tables of one dim and optimizer sharing arrays (see the module docstring)."""
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        options: Sequence[KVTableOptions],
+        dim: int,
+        optim: FusedOptimConfig | None = None,
+        device: torch.device | str | None = None,
+        optims: Sequence[FusedOptimConfig] | None = None,
+    ) -> None:
+        """``optims``: one config per table (learning rates may differ; the kind and
+        other hyper-parameters must not), else ``optim`` for all."""
+        if len(names) != len(options) or not names:
+            raise ValueError("KVTableGroup: one KVTableOptions per table name, at least one")
+        optims = list(optims) if optims is not None else [optim or FusedOptimConfig()] * len(names)
+        first = optims[0]
+        for name, config, opts in zip(names, optims, options, strict=True):
+            if config.with_learning_rate(first.learning_rate) != first:
+                raise ValueError(
+                    f"table {name!r}: the tables of a group share one optimizer ({first}); "
+                    f"got {config}"
+                )
+            if opts.ssd is not None:
+                raise ValueError(f"table {name!r}: a table with an SSD tier is not grouped")
+        device = torch.device(device or "cpu")
+        memories = [table_memory(o, dim, first) for o in options]
+        rows = [m.rows for m in memories]
+        counted = [m.counter_ids for m in memories]
+        storage = TableStorage.allocate(sum(rows), dim, memories[0].state_dim, sum(counted), device)
+        tables = []
+        row0 = counter0 = 0
+        for name, opts, config, n, c in zip(names, options, optims, rows, counted, strict=True):
+            part = storage.part((row0, row0 + n), (counter0, counter0 + c))
+            tables.append(KVTable(name, dim, opts, config, device, storage=part))
+            row0, counter0 = row0 + n, counter0 + c
+        self._adopt(tables, storage, counted)
+        #: Whether only the per-table torch path may look the group up.
+        self.per_table_only = False
+
+    @classmethod
+    def alone(cls, table: KVTable) -> KVTableGroup:
+        """A group of one table that keeps its own arrays (a table with an SSD tier,
+        looked up by its own path, table by table)."""
+        group = cls.__new__(cls)
+        counter_ids = table.counts.numel() if table.counts is not None else 0
+        storage = TableStorage(
+            table.keys,
+            table.scores,
+            table.weights,
+            table.state,
+            table.counter.keys if table.counter is not None else table.keys[:0],
+            table.counter.scores if table.counter is not None else table.scores[:0],
+            table.counts if table.counts is not None else table.keys.new_empty(0),
+        )
+        group._adopt([table], storage, [counter_ids])
+        group.per_table_only = True
+        return group
+
+    def _adopt(self, tables: list[KVTable], storage: TableStorage, counted: list[int]) -> None:
+        self.tables = tables
+        self.storage = storage
+        self.dim = tables[0].dim
+        self.device = tables[0].device
+        self.row_offsets = [0]
+        for table in tables[:-1]:
+            self.row_offsets.append(self.row_offsets[-1] + table.capacity)
+        self.layout = GroupLayout.build(
+            num_buckets=[t.capacity // WAYS for t in tables],
+            counter_num_buckets=[c // WAYS for c in counted],
+            options=[t.options for t in tables],
+            device=self.device,
+        )
+        self.metrics = torch.zeros(
+            len(tables), len(METRIC_NAMES), dtype=torch.int64, device=self.device
+        )
+        for t, table in enumerate(tables):
+            table.device_metrics = self.metrics[t]
+        self._row_ends = self.metrics.new_tensor(
+            [start + t.capacity for start, t in zip(self.row_offsets, tables, strict=True)]
+        )
+        self._rates_host: list[float] = []
+        self._rates = torch.empty(0)
+        self._steps = _Clock(self.metrics.new_tensor([t.step for t in tables]))
+        self._optim_steps = _Clock(self.metrics.new_tensor([t.optim_step for t in tables]))
+        self._steps.host = [t.step for t in tables]
+        self._optim_steps.host = [t.optim_step for t in tables]
+
+    # ----------------------------------------------------------------- shape
+    @property
+    def num_tables(self) -> int:
+        return len(self.tables)
+
+    @property
+    def optim(self) -> FusedOptimConfig:
+        """The group's optimizer (the first table's learning rate)."""
+        return self.tables[0].optim
+
+    @property
+    def weights(self) -> torch.Tensor:
+        return self.storage.weights
+
+    @property
+    def state(self) -> torch.Tensor:
+        return self.storage.state
+
+    def learning_rates(self) -> list[float]:
+        return [t.learning_rate for t in self.tables]
+
+    def learning_rate_tensor(self) -> torch.Tensor:
+        """Each table's learning rate ``[T]`` float32 on the device (copied to the device
+        only when a rate changed)."""
+        rates = self.learning_rates()
+        if rates != self._rates_host:
+            self._rates = torch.tensor(rates, dtype=torch.float32, device=self.device)
+            self._rates_host = rates
+        return self._rates
+
+    def table_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """The table (index in the group) of each global slot (slot -1: table 0)."""
+        return torch.searchsorted(self._row_ends, slots.clamp(min=0), right=True)
+
+    # ------------------------------------------------------------- lookups
+    def lookup_train(
+        self,
+        ids: torch.Tensor,
+        table_idx: torch.Tensor,
+        custom_scores: torch.Tensor | None = None,
+        custom_tables: Sequence[bool] | None = None,
+    ) -> GroupLookup:
+        """Slots of a training batch (inserting new ids, admission and eviction
+        apply per table); every table's clock advances by one. ``custom_scores``
+        (one per id) feed the CUSTOM_SCORE tables flagged in ``custom_tables``
+        (default: all of them)."""
+        return dispatch.group_lookup_train(self, ids, table_idx, custom_scores, custom_tables)
+
+    def lookup_eval(self, ids: torch.Tensor, table_idx: torch.Tensor) -> torch.Tensor:
+        """Global slots of an evaluation batch (read-only); -1 for ids not stored."""
+        return dispatch.group_lookup_eval(self, ids, table_idx)
+
+    def advance_clocks(self) -> torch.Tensor:
+        """Advance every table's training clock (the LRU step) by one, as a lookup
+        does; the per-table clocks ``[T]`` on the device."""
+        for table in self.tables:
+            table.step += 1
+        return self._steps.advance([t.step for t in self.tables])
+
+    def advance_optimizer_steps(self) -> torch.Tensor:
+        """Advance every table's optimizer step by one, as a backward does; the
+        per-table steps ``[T]`` on the device."""
+        for table in self.tables:
+            table.optim_step += 1
+        return self._optim_steps.advance([t.optim_step for t in self.tables])
+
+    # ------------------------------------------------------ torch reference
+    def lookup_train_per_table(
+        self,
+        ids: torch.Tensor,
+        table_idx: torch.Tensor,
+        custom_scores: torch.Tensor | None,
+        custom_tables: Sequence[bool] | None,
+    ) -> GroupLookup:
+        """The torch path: ``KVTable.lookup_train`` table by table."""
+        slots = torch.full_like(ids, -1)
+        for t, table in enumerate(self.tables):
+            mine = (table_idx == t).nonzero().squeeze(1)
+            scores = None
+            if custom_scores is not None and (custom_tables is None or custom_tables[t]):
+                scores = custom_scores[mine]
+            local = table.lookup_train(ids[mine], scores)
+            slots[mine] = torch.where(local >= 0, local + self.row_offsets[t], -1)
+        return GroupLookup(slots)
+
+    def lookup_eval_per_table(self, ids: torch.Tensor, table_idx: torch.Tensor) -> torch.Tensor:
+        """The torch path of ``lookup_eval``: ``KVTable.lookup_eval`` table by table."""
+        slots = torch.full_like(ids, -1)
+        for t, table in enumerate(self.tables):
+            mine = (table_idx == t).nonzero().squeeze(1)
+            local = table.lookup_eval(ids[mine])
+            slots[mine] = torch.where(local >= 0, local + self.row_offsets[t], -1)
+        return slots
