@@ -50,6 +50,7 @@ from torchrec import EmbeddingBagConfig
 from benchmarks.common import (
     add_config_flags,
     config_from_args,
+    drop_cache,
     format_table,
     load_average,
     machine_summary,
@@ -123,18 +124,6 @@ def checkpoint_bytes(model: KVEmbeddingBagCollection) -> int:
 
 
 # ------------------------------------------------------------------- disk
-def drop_cache(path: Path) -> None:
-    """Drop ``path`` (a file, or every file under a directory) from the page cache."""
-    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-    for file in files:
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def disk_write(path: Path, nbytes: int) -> float:
     block = os.urandom(BLOCK)
     start = time.perf_counter()

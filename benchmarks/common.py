@@ -5,7 +5,10 @@
 * ``time_interleaved``: warm-up, then ``repeats`` timed blocks of ``steps``
   calls per system, systems taking turns block by block, so that every system
   sees the same machine noise; the figure is the median block (per step).
-* ``format_table`` / ``markdown_table`` / ``write_markdown``: result tables.
+* ``format_table`` / ``markdown_table`` / ``write_markdown``: result tables;
+  ``format_ratio``: a ratio as the tables print it.
+* ``drop_cache``: a file (or a directory's files) out of the page cache, so
+  that a timed read goes to the disk.
 * ``profile_functions`` / ``profile_ops``: where a step's time goes, by
   Python function of a package (stack-based, exact) and by torch op.
 * ``add_config_flags`` / ``config_from_args`` / ``command_line``: the
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import math
 import os
 import platform
 import statistics
@@ -161,6 +165,16 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
     return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
 
 
+def format_ratio(value: float) -> str:
+    """``value`` as ``"1.23x"``, floored to the hundredth; ``"n/a"`` for NaN.
+
+    Why floor: a ratio printed as "3.00x" must not be one that missed ">= 3.0x".
+    """
+    if math.isnan(value):
+        return "n/a"
+    return f"{math.floor(100 * value) / 100:.2f}x"
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A GitHub markdown table (first column left-aligned, the others right)."""
     head = "| " + " | ".join(str(h) for h in headers) + " |"
@@ -176,6 +190,19 @@ def write_markdown(path: str | Path, title: str, sections: Sequence[str]) -> Pat
     text = f"# {title}\n\n" + "\n\n".join(s.strip() for s in sections) + "\n"
     path.write_text(text)
     return path
+
+
+def drop_cache(path: str | Path) -> None:
+    """Drop ``path`` (a file, or every file under a directory) from the page cache."""
+    path = Path(path)
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def load_average() -> float:

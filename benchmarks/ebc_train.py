@@ -31,7 +31,6 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 import warnings
@@ -60,6 +59,7 @@ from benchmarks.common import (
     add_config_flags,
     command_line,
     config_from_args,
+    format_ratio,
     format_table,
     load_average,
     machine_line,
@@ -460,11 +460,6 @@ RESULT_HEADERS = ("system", "mode", "ms/step", "best ms", "M ids/s", "GB/s")
 RATIO_HEADERS = ("ratio (ids/s)", "value", "target", "")
 
 
-def _times(value: float) -> str:
-    # why floor: a ratio printed as "3.00x" must not be one that missed ">= 3.0x".
-    return f"{math.floor(100 * value) / 100:.2f}x"
-
-
 def ratio_rows(result: BenchResult) -> list[tuple]:
     rows = []
     for target in TARGETS:
@@ -472,7 +467,7 @@ def ratio_rows(result: BenchResult) -> list[tuple]:
         rows.append(
             (
                 f"{KV}/{target.baseline} {target.mode}",
-                _times(value),
+                format_ratio(value),
                 f">= {target.minimum:.1f}x",
                 "met" if value >= target.minimum else "MISSED",
             )
@@ -483,7 +478,7 @@ def ratio_rows(result: BenchResult) -> list[tuple]:
             rows.append(
                 (
                     f"{KV_SPREAD}/{target.baseline} {target.mode}",
-                    _times(value),
+                    format_ratio(value),
                     f"(>= {target.minimum:.1f}x)",
                     "",
                 )

@@ -35,7 +35,6 @@ the harness at ``--quick`` sizes, whose figures mean nothing.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -49,6 +48,7 @@ from benchmarks.common import (
     add_config_flags,
     command_line,
     config_from_args,
+    format_ratio,
     format_table,
     machine_summary,
     markdown_table,
@@ -495,12 +495,6 @@ def _log(message: str, verbose: bool) -> None:
 
 
 # ----------------------------------------------------------------- report
-def _times(value: float) -> str:
-    if math.isnan(value):
-        return "n/a"
-    return f"{math.floor(100 * value) / 100:.2f}x"
-
-
 RATE_HEADERS = ("part", "what", "system", "M items/s", "GB/s", "of copy")
 
 
@@ -517,7 +511,7 @@ def rate_rows(result: GpuResult) -> list[tuple]:
             r.system or "-",
             "-" if r.part == "copy" else _figure(r.items_per_s / 1e6),
             _figure(r.gb_per_s),
-            _times(r.gb_per_s / copy),
+            format_ratio(r.gb_per_s / copy),
         )
         for r in result.rates
     ]
@@ -562,7 +556,7 @@ def ratio_rows(result: GpuResult) -> list[tuple]:
     for r in ratios(result):
         verdict = "" if r.target is None else ("met" if r.value >= r.target else "MISSED")
         target = "-" if r.target is None else f">= {r.target:g}x"
-        rows.append((r.what, _times(r.value), target, verdict))
+        rows.append((r.what, format_ratio(r.value), target, verdict))
     return rows
 
 

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import format_table, machine_summary, markdown_table
+from benchmarks.common import format_ratio, format_table, machine_summary, markdown_table
 
 BENCHMARKS = ("ebc", "dist", "ssd", "checkpoint")
 RESULTS_FILE = "benchmark-results.md"
@@ -74,17 +74,10 @@ class Row:
             self.what,
             _amount(self.kv, self.unit),
             _amount(self.baseline, self.unit),
-            _times(self.ratio),
+            format_ratio(self.ratio),
             "-" if self.target is None else f">= {self.target:g}x",
             self.verdict,
         )
-
-
-def _times(value: float) -> str:
-    if math.isnan(value):
-        return "n/a"
-    # floor, so that a ratio printed as "0.50x" is never one that missed ">= 0.5x".
-    return f"{math.floor(100 * value) / 100:.2f}x"
 
 
 def _amount(value: float, unit: str) -> str:
@@ -222,7 +215,7 @@ def plot_ratios(rows: Sequence[Row], path: Path) -> Path:
             ax.hlines(row.target, x - 0.45, x + 0.45, colors="black", linestyles="--",
                       label=None if labelled else "target")  # fmt: skip
             labelled = True
-        ax.text(x, values[x], _times(row.ratio), ha="center", va="bottom", fontsize=8)
+        ax.text(x, values[x], format_ratio(row.ratio), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(xs))
     ax.set_xticklabels([f"{r.benchmark}\n{r.what}" for r in rows], rotation=30, ha="right",
                        fontsize=7)  # fmt: skip

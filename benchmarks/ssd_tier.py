@@ -53,6 +53,8 @@ from benchmarks.common import (
     add_config_flags,
     command_line,
     config_from_args,
+    drop_cache,
+    format_ratio,
     format_table,
     load_average,
     machine_line,
@@ -253,15 +255,6 @@ def run_training(config: BenchConfig, workdir: str, verbose: bool):
 
 
 # -------------------------------------------------------------- promotion
-def _drop_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def run_promotion(config: BenchConfig, workdir: str, verbose: bool) -> tuple[RateResult, ...]:
     """``lookup_train`` of ids only the SSD tier holds, into memory with room."""
     begin = time.perf_counter()
@@ -321,7 +314,7 @@ def run_disk(config: BenchConfig, workdir: str) -> tuple[RateResult, ...]:
     gen = torch.Generator().manual_seed(3)
     results = []
     for depth in (1, 16, 64):
-        _drop_cache(path)
+        drop_cache(path)
         offsets = (torch.randint(0, pages, (config.disk_reads,), generator=gen) * 4096).tolist()
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -386,11 +379,6 @@ TRAIN_HEADERS = ("system", "ms/step", "best ms", "M ids/s", "vs all in memory")
 RATE_HEADERS = ("what", "per s", "MB/s")
 
 
-def _times(value: float) -> str:
-    # why floor: a ratio printed as "0.50x" must not be one that missed ">= 0.5x".
-    return f"{math.floor(100 * value) / 100:.2f}x"
-
-
 def train_rows(result: BenchResult) -> list[tuple]:
     return [
         (
@@ -398,7 +386,7 @@ def train_rows(result: BenchResult) -> list[tuple]:
             f"{r.ms_per_step:.1f}",
             f"{r.best_ms:.1f}",
             f"{r.ids_per_s / 1e6:.2f}",
-            _times(result.ratio(r.system)),
+            format_ratio(result.ratio(r.system)),
         )
         for r in result.train
     ]
@@ -413,7 +401,7 @@ def rate_rows(result: BenchResult) -> list[tuple]:
 def target_line(result: BenchResult) -> str:
     value = result.ratio(SSD)
     verdict = "met" if value >= TARGET else "MISSED"
-    return f"{SSD} / {FULL}: {_times(value)} (target >= {TARGET}x: {verdict})"
+    return f"{SSD} / {FULL}: {format_ratio(value)} (target >= {TARGET}x: {verdict})"
 
 
 def cache_line(result: BenchResult) -> str:

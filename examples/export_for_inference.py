@@ -3,8 +3,8 @@
 What it does
 ------------
 1. Reads the run's flags from ``WORKDIR/eval_sharded.pt`` and builds the
-   unsharded DLRM of ``train_dlrm.py`` (imported, not copied): KV tables in a
-   ``KVEmbeddingBagCollection``, the others in a stock ``EmbeddingBagCollection``.
+   unsharded DLRM of ``train_dlrm.py`` (``examples/common/model.py``): KV tables
+   in a ``KVEmbeddingBagCollection``, the others in a stock ``EmbeddingBagCollection``.
 2. ``checkpoint.load``s ``--ckpt`` (any world size or KV sharding, e.g. the output
    of ``examples/reshard_checkpoint.py``) and makes the model read-only: eval
    mode (a KV table neither inserts nor evicts; ids without a row pool as
@@ -41,76 +41,49 @@ Flags
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import sys
 import time
-import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import train_dlrm as td  # noqa: E402
-from criteo_tsv import to_batch  # noqa: E402
-
-from torchrec_kvemb.checkpoint.migrate import export_dense  # noqa: E402
+from common.criteo import to_batch
+from common.data import Data
+from common.evaluation import check_predictions, predictions
+from common.launch import quiet_logs
+from common.model import kv_table_names, table_configs, table_sizes, unsharded_dlrm
+from common.synthetic import EVAL_STREAM, SyntheticCriteo
+from common.workdir import CKPT, saved_run, shown
+from torchrec_kvemb import checkpoint as kv_checkpoint
+from torchrec_kvemb.checkpoint.migrate import export_dense
 
 #: Bundle format tag.
 BUNDLE_FORMAT = "torchrec_kvemb.examples.inference_bundle/1"
 
 
-def build_model(run: argparse.Namespace, workdir: str) -> tuple[torch.nn.Module, list[str]]:
-    """The unsharded DLRM of the run, and its KV table names."""
-    ssd_dir = os.path.join(workdir, "ssd_export") if run.ssd else None
-    options = td.kv_options(run, ssd_dir, headroom=td.RELOAD_HEADROOM)
-    device = torch.device("cpu")
-    ebc = td.MixedEmbeddingBagCollection(
-        td.table_configs(run), options, td.fused_params(run), device
-    )
-    return td.build_dlrm(ebc, run, device), sorted(options)
-
-
-def check_held_out(model: torch.nn.Module, run: argparse.Namespace, saved: dict) -> bool:
-    data = td.Data(run, td.table_sizes(run))
-    batches = data.held_out_global(saved["world_size"])
-    with torch.no_grad():
-        logits = torch.cat([model(b)[1][1] for b in batches])
-    diff = float((torch.sigmoid(logits) - torch.sigmoid(saved["logits"])).abs().max())
-    tol = 1e-3 if saved.get("device") == "cuda" else 1e-5
-    ok = diff <= tol
-    print(
-        f"held-out predictions {'MATCH' if ok else 'MISMATCH'} the training run's "
-        f"(max abs diff {diff:.2e}, tolerance {tol:g}, {logits.numel()} samples)",
-        flush=True,
-    )
-    return ok
-
-
 def export(args: argparse.Namespace) -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     workdir = os.path.abspath(args.workdir)
-    ckpt = os.path.abspath(args.ckpt or os.path.join(workdir, td.CKPT))
+    ckpt = os.path.abspath(args.ckpt or os.path.join(workdir, CKPT))
     out = os.path.abspath(args.out or os.path.join(workdir, "inference.pt"))
-    path = os.path.join(workdir, td.EVAL_FILE)
-    if not os.path.exists(path):
-        raise SystemExit(f"{workdir}: no {td.EVAL_FILE}; run examples/train_dlrm.py first")
-    saved = torch.load(path, weights_only=False)
-    run = argparse.Namespace(**saved["args"])
+    run, saved = saved_run(workdir)
 
     started = time.perf_counter()
-    model, kv_tables = build_model(run, workdir)
-    td.kv_checkpoint.load(model, ckpt)
+    model = unsharded_dlrm(run, os.path.join(workdir, "ssd_export") if run.ssd else None)
+    kv_tables = kv_table_names(run)
+    kv_checkpoint.load(model, ckpt)
     model.eval()
     model.requires_grad_(False)
     print(
-        f"loaded {td.shown(ckpt)} (saved by {td.kv_checkpoint.read_marker(ckpt)['world_size']} "
+        f"loaded {shown(ckpt)} (saved by {kv_checkpoint.read_marker(ckpt)['world_size']} "
         f"ranks) into a read-only unsharded DLRM in {time.perf_counter() - started:.1f} s",
         flush=True,
     )
     for name, metrics in model.model.sparse_arch.embedding_bag_collection.kv.metrics().items():
         rows = int(metrics.get("size", 0) + metrics.get("ssd_size", 0))
         print(f"KV table {name}: {rows} rows", flush=True)
-    ok = check_held_out(model, run, saved)
+    batches = Data(run, table_sizes(run)).held_out_global(saved["world_size"])
+    ok, line = check_predictions(predictions(model, batches), saved)
+    print(line, flush=True)
 
     dense: dict[str, torch.Tensor] = {}
     if args.dense_rows:
@@ -135,7 +108,7 @@ def export(args: argparse.Namespace) -> None:
                 "num_embeddings": c.num_embeddings,
                 "feature_names": list(c.feature_names),
             }
-            for c in td.table_configs(run)
+            for c in table_configs(run)
         ],
         "kv_tables": kv_tables,
         "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()},
@@ -144,19 +117,19 @@ def export(args: argparse.Namespace) -> None:
     os.makedirs(os.path.dirname(out), exist_ok=True)
     torch.save(bundle, out)
     print(
-        f"inference bundle saved: {td.shown(out)} ({os.path.getsize(out) / 2**20:.1f} MiB, "
+        f"inference bundle saved: {shown(out)} ({os.path.getsize(out) / 2**20:.1f} MiB, "
         f"{len(bundle['state_dict'])} state_dict entries, {len(dense)} dense KV exports)",
         flush=True,
     )
 
-    stream = td.SyntheticCriteo(run.id_space, run.zipf, run.drift, run.seed + 1)
-    sizes = td.table_sizes(run)
+    stream = SyntheticCriteo(run.id_space, run.zipf, run.drift, run.seed + 1)
+    sizes = table_sizes(run)
     with torch.no_grad():
         for j in range(args.batches):
-            batch = to_batch(stream.batch(j, 0, args.batch_size, td.EVAL_STREAM), sizes)
+            batch = to_batch(stream.batch(j, 0, args.batch_size, EVAL_STREAM), sizes)
             probs = torch.sigmoid(model(batch)[1][1])
-            shown = " ".join(f"{p:.3f}" for p in probs.tolist())
-            print(f"batch {j}: predictions {shown}", flush=True)
+            text = " ".join(f"{p:.3f}" for p in probs.tolist())
+            print(f"batch {j}: predictions {text}", flush=True)
     if not ok:
         raise SystemExit(1)
 
@@ -180,8 +153,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main() -> None:
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.WARNING)
+    quiet_logs()
     export(parse_args())
 
 

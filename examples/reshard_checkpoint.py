@@ -18,7 +18,7 @@ every KV table to one sharding type (``--sharding``, through the planner's
    by more than 1e-5 (1e-3 when trained on CUDA);
 3. saves the resharded model to ``--out`` with ``checkpoint.save``.
 
-The model, data and options come from ``train_dlrm.py`` itself (imported).
+The model, data and options are those of ``train_dlrm.py``, from ``examples/common/``.
 
 How to run
 ----------
@@ -47,40 +47,35 @@ from __future__ import annotations
 
 import argparse
 import gc
-import logging
 import os
-import sys
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torchrec import EmbeddingBagCollection
-from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-from torchrec.optim.optimizers import in_backward_optimizer_filter
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import train_dlrm as td  # noqa: E402
-
-from torchrec_kvemb import KVEmbeddingBagCollectionSharder  # noqa: E402
-
-
-def saved_run(workdir: str) -> tuple[argparse.Namespace, dict]:
-    """The training run's flags and its sharded evaluation."""
-    path = os.path.join(workdir, td.EVAL_FILE)
-    if not os.path.exists(path):
-        raise SystemExit(f"{workdir}: no {td.EVAL_FILE}; run examples/train_dlrm.py first")
-    saved = torch.load(path, weights_only=False)
-    return argparse.Namespace(**saved["args"]), saved
+from common.data import Data, slice_batch
+from common.evaluation import check_predictions, sharded_predictions
+from common.launch import quiet_logs, relaunched_under_torchrun, say, setup_process_group
+from common.model import (
+    RELOAD_HEADROOM,
+    dense_optimizer,
+    dlrm_on_meta,
+    fused_params,
+    kv_options,
+    plan_summary,
+    table_sizes,
+)
+from common.workdir import CKPT, directory_bytes, saved_run, shown
+from torchrec_kvemb import KVEmbeddingBagCollectionSharder
+from torchrec_kvemb import checkpoint as kv_checkpoint
 
 
 def saved_row_counts(ckpt: str, tables: list[str]) -> dict[str, int]:
     """Rows per KV table in the checkpoint (the length of its ``weight_id`` entry)."""
-    metadata = td.kv_checkpoint.ParallelFileSystemReader(ckpt).read_metadata()
+    metadata = kv_checkpoint.ParallelFileSystemReader(ckpt).read_metadata()
     out = {}
     for key, meta in metadata.state_dict_metadata.items():
         for name in tables:
@@ -99,26 +94,7 @@ def model_row_counts(model: torch.nn.Module, tables: list[str]) -> dict[str, int
     return out
 
 
-def slice_batch(batch: Batch, start: int, end: int) -> Batch:
-    """Samples ``[start, end)`` of a batch."""
-    jts = batch.sparse_features.to_dict()
-    keys = batch.sparse_features.keys()
-    values, lengths = [], []
-    for key in keys:
-        jt = jts[key]
-        offsets = jt.offsets()
-        values.append(jt.values()[int(offsets[start]) : int(offsets[end])])
-        lengths.append(jt.lengths()[start:end])
-    return Batch(
-        dense_features=batch.dense_features[start:end],
-        sparse_features=KeyedJaggedTensor.from_lengths_sync(
-            keys=keys, values=torch.cat(values), lengths=torch.cat(lengths)
-        ),
-        labels=batch.labels[start:end],
-    )
-
-
-def check_predictions(
+def predictions_match(
     model: DistributedModelParallel,
     run: argparse.Namespace,
     saved: dict,
@@ -129,53 +105,38 @@ def check_predictions(
     """The held-out predictions of the resharded model against the training run's:
     every global held-out batch is cut into ``world`` equal parts, one per rank.
     None when the batch does not split evenly."""
-    data = td.Data(run, td.table_sizes(run))
+    data = Data(run, table_sizes(run))
     batches = data.held_out_global(saved["world_size"])
     size = batches[0].labels.numel()
     if size % world:
-        td.say(rank, f"prediction check SKIPPED: {size} samples per batch, {world} ranks")
+        say(rank, f"prediction check SKIPPED: {size} samples per batch, {world} ranks")
         return None
     part = size // world
-    model.eval()
-    logits = []
-    with torch.no_grad():
-        for batch in batches:
-            mine = slice_batch(batch, rank * part, (rank + 1) * part).to(device)
-            _, (_, local, _) = model(mine)
-            parts = [torch.empty_like(local) for _ in range(world)]
-            dist.all_gather(parts, local.contiguous())
-            logits.append(torch.cat(parts).cpu())
-    logits_t = torch.cat(logits)
-    diff = float((torch.sigmoid(logits_t) - torch.sigmoid(saved["logits"])).abs().max())
-    tol = 1e-3 if saved.get("device") == "cuda" else 1e-5
-    ok = diff <= tol
-    td.say(
-        rank,
-        f"held-out predictions {'MATCH' if ok else 'MISMATCH'} the training run's "
-        f"(max abs diff {diff:.2e}, tolerance {tol:g}, {logits_t.numel()} samples)",
-    )
+    mine = [slice_batch(batch, rank * part, (rank + 1) * part) for batch in batches]
+    logits, _ = sharded_predictions(model, mine, device)
+    ok, line = check_predictions(logits, saved)
+    say(rank, line)
     return ok
 
 
 def reshard(args: argparse.Namespace) -> None:
-    rank, world, device = td.setup_process_group()
+    rank, world, device = setup_process_group()
     workdir = os.path.abspath(args.workdir)
-    ckpt = os.path.abspath(args.ckpt or os.path.join(workdir, td.CKPT))
+    ckpt = os.path.abspath(args.ckpt or os.path.join(workdir, CKPT))
     out = os.path.abspath(args.out or os.path.join(workdir, "ckpt_resharded"))
     run, saved = saved_run(workdir)
-    marker = td.kv_checkpoint.read_marker(ckpt)
-    td.say(
+    marker = kv_checkpoint.read_marker(ckpt)
+    say(
         rank,
-        f"reshard_checkpoint: {td.shown(ckpt)} (saved by {marker['world_size']} ranks) -> "
+        f"reshard_checkpoint: {shown(ckpt)} (saved by {marker['world_size']} ranks) -> "
         f"{world} ranks ({dist.get_backend()}), KV sharding {args.sharding or 'planner'}",
     )
 
     started = time.perf_counter()
     ssd_dir = os.path.join(workdir, "ssd_reshard") if run.ssd else None
-    options = td.kv_options(run, ssd_dir, headroom=args.headroom)
-    ebc = EmbeddingBagCollection(td.table_configs(run), device=torch.device("meta"))
-    model = td.build_dlrm(ebc, run, device)
-    sharder = KVEmbeddingBagCollectionSharder(options, fused_params=td.fused_params(run))
+    options = kv_options(run, ssd_dir, headroom=args.headroom)
+    model = dlrm_on_meta(run, device)
+    sharder = KVEmbeddingBagCollectionSharder(options, fused_params=fused_params(run))
     constraints = (
         {name: ParameterConstraints(sharding_types=[args.sharding]) for name in options}
         if args.sharding
@@ -187,15 +148,14 @@ def reshard(args: argparse.Namespace) -> None:
     )
     plan = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
     model = DistributedModelParallel(model, device=device, sharders=[sharder], plan=plan)
-    dense_params = [p for _, p in in_backward_optimizer_filter(model.named_parameters())]
-    optimizer = torch.optim.Adagrad(dense_params, lr=run.lr, eps=1e-8)
-    td.say(rank, td.plan_summary(model, options, time.perf_counter() - started))
+    optimizer = dense_optimizer(model, run.lr)
+    say(rank, plan_summary(model, options, time.perf_counter() - started))
 
     started = time.perf_counter()
     try:
-        td.kv_checkpoint.load(model, ckpt, optimizer=optimizer)
+        kv_checkpoint.load(model, ckpt, optimizer=optimizer)
         what = "model and dense optimizer"
-    except td.kv_checkpoint.CheckpointError as e:
+    except kv_checkpoint.CheckpointError as e:
         # The dense optimizer covers the data-parallel stock tables too, and the
         # planner may pick others at this world size; a failed load changes nothing.
         # Stock tables the planner moves between data-parallel and table-wise have
@@ -203,9 +163,9 @@ def reshard(args: argparse.Namespace) -> None:
         if "optimizer" not in str(e) and "lacks entries" not in str(e):
             raise
         optimizer = None
-        td.kv_checkpoint.load(model, ckpt, strict=False)
+        kv_checkpoint.load(model, ckpt, strict=False)
         what = "model (optimizer state of stock tables whose plan changed: not carried)"
-    td.say(rank, f"loaded {td.shown(ckpt)}: {what}, {time.perf_counter() - started:.1f} s")
+    say(rank, f"loaded {shown(ckpt)}: {what}, {time.perf_counter() - started:.1f} s")
 
     tables = sorted(options)
     before = saved_row_counts(ckpt, tables)
@@ -215,21 +175,21 @@ def reshard(args: argparse.Namespace) -> None:
     for name in tables:
         same = before.get(name) == after.get(name)
         rows_ok &= same
-        td.say(
+        say(
             rank,
             f"table {name}: {before.get(name)} rows saved, {after.get(name)} rows loaded "
             f"({sharding.get(name)} over {world} ranks) {'OK' if same else 'DIFFER'}",
         )
-    td.say(rank, "ROW COUNTS MATCH" if rows_ok else "ROW COUNTS DIFFER")
-    predictions_ok = check_predictions(model, run, saved, rank, world, device)
+    say(rank, "ROW COUNTS MATCH" if rows_ok else "ROW COUNTS DIFFER")
+    predictions_ok = predictions_match(model, run, saved, rank, world, device)
 
     started = time.perf_counter()
-    td.kv_checkpoint.save(model, out, optimizer=optimizer)
-    written = td.kv_checkpoint.read_marker(out)
-    td.say(
+    kv_checkpoint.save(model, out, optimizer=optimizer)
+    written = kv_checkpoint.read_marker(out)
+    say(
         rank,
-        f"resharded checkpoint saved: {td.shown(out)} ({written['world_size']} ranks, "
-        f"{td.directory_bytes(out) / 2**20:.1f} MiB, {time.perf_counter() - started:.1f} s)",
+        f"resharded checkpoint saved: {shown(out)} ({written['world_size']} ranks, "
+        f"{directory_bytes(out) / 2**20:.1f} MiB, {time.perf_counter() - started:.1f} s)",
     )
     dist.barrier()
     # Release the model (and the collectives' buffers it holds) while the
@@ -251,7 +211,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="output (default WORKDIR/ckpt_resharded)")
     p.add_argument("--sharding", choices=["row_wise", "table_wise"], default=None)
     p.add_argument("--world-size", type=int, default=None, help="processes without torchrun")
-    p.add_argument("--headroom", type=int, default=td.RELOAD_HEADROOM, help="capacity multiple")
+    p.add_argument("--headroom", type=int, default=RELOAD_HEADROOM, help="capacity multiple")
     args = p.parse_args(argv)
     if args.headroom < 1:
         p.error("--headroom must be >= 1")
@@ -259,10 +219,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main() -> None:
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.WARNING)
+    quiet_logs()
     args = parse_args()
-    if td.relaunched_under_torchrun(__file__, args.world_size or 1):
+    if relaunched_under_torchrun(__file__, args.world_size or 1):
         return
     reshard(args)
 

@@ -3,7 +3,7 @@
 
 Save job (2 ranks, KV tables row-wise)::
 
-    torchrun --nproc_per_node 2 tests/checkpoint/ckpt_worker.py save DIR
+    torchrun --nproc_per_node 2 -m tests.checkpoint.ckpt_worker save DIR   # repo root
 
 trains ``SAVE_AT`` steps (the KV tables' learning rates change at ``LR_STEP``),
 saves ``DIR/ckpt`` (model, stock table, fused and dense optimizer state, KV
@@ -15,7 +15,7 @@ written its files and before the ``COMPLETE`` marker.
 Load jobs (any world size, ``row_wise`` or ``table_wise``; or in-process,
 unsharded, through :func:`load_job`)::
 
-    torchrun --nproc_per_node 3 tests/checkpoint/ckpt_worker.py load DIR row_wise
+    torchrun --nproc_per_node 3 -m tests.checkpoint.ckpt_worker load DIR row_wise
 
 refuse ``DIR/killed`` and a checkpoint of another table config (nothing changes),
 load ``DIR/ckpt`` into a model built with other KV learning rates, compare every
@@ -28,14 +28,10 @@ size; DDP averages dense ones). Rank 0 writes ``DIR/<job>.json``; the test asser
 
 from __future__ import annotations
 
-import gc
-import json
-import logging
 import os
 import signal
 import sys
 import traceback
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -48,6 +44,7 @@ from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import torchrec_kvemb.checkpoint as ckpt
+from tests.torchrun_jobs import Tally, gather, gloo_job, write_result
 from torchrec_kvemb import (
     EvictionPolicy,
     Initializer,
@@ -276,43 +273,6 @@ def reference(until: int, worlds: list[tuple[int, int]]) -> tuple[Model, torch.o
 
 
 # ----------------------------------------------------------- comparisons
-class Tally:
-    def __init__(self) -> None:
-        self.figures: dict[str, float] = {}
-        self.checks: dict[str, bool] = {}
-
-    def diff(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
-        if a.shape != b.shape:
-            self.check(f"{name} shape", False)
-            return
-        d = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
-        self.figures[name] = max(self.figures.get(name, 0.0), d)
-
-    def check(self, name: str, ok: bool) -> None:
-        self.checks[name] = self.checks.get(name, True) and bool(ok)
-
-    def exact(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
-        self.check(name, a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
-
-    def result(self) -> dict:
-        figures, checks = dict(self.figures), dict(self.checks)
-        for part_figures, part_checks in gather((self.figures, self.checks)):
-            for n, v in part_figures.items():
-                figures[n] = max(figures.get(n, 0.0), v)
-            for n, ok in part_checks.items():
-                checks[n] = checks.get(n, True) and ok
-        passed = all(v <= TOL for v in figures.values()) and all(checks.values())
-        return {"max_abs_diff": figures, "checks": checks, "passed": passed}
-
-
-def gather(obj, local: bool = False) -> list:
-    if local or not dist.is_initialized():
-        return [obj]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def snapshot(model: nn.Module) -> dict:
     """Every KV table's ids (sorted) with rows, state and scores, its step counters
     and admission counts (merged over ranks for a sharded model); the dense layer."""
@@ -323,8 +283,9 @@ def snapshot(model: nn.Module) -> dict:
             (table.step, table.optim_step),
             admission_state(table),
         )
+    sharded = isinstance(model, DistributedModelParallel)
     merged: dict = {}
-    for part in gather(local, not isinstance(model, DistributedModelParallel)):
+    for part in gather(local) if sharded else [local]:
         for prefix, (export, steps, admission) in part.items():
             merged.setdefault(prefix, []).append((export, steps, admission))
     out = {}
@@ -403,7 +364,7 @@ def compare_optimizer(tally: Tally, got: dict, want: dict, label: str) -> None:
 # ------------------------------------------------------------------- jobs
 def save_job(directory: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    tally = Tally()
+    tally = Tally(TOL)
     dmp = sharded_model("row_wise")
     optimizer = dense_optimizer(dmp)
     ref, ref_optimizer = reference(0, [(0, world)])
@@ -433,7 +394,7 @@ def save_job(directory: str) -> dict:
         torch.save(expected, os.path.join(directory, "expected.pt"))
     result = {"world_size": world, **tally.result()}
     if rank == 0:
-        write(os.path.join(directory, "save.json"), result)
+        write_result(os.path.join(directory, "save.json"), result)
     dist.barrier()
 
     def die(*args, **kwargs) -> None:
@@ -474,7 +435,7 @@ def load_job(directory: str, sharding: str | None) -> dict:
     distributed = dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
-    tally = Tally()
+    tally = Tally(TOL)
     expected = torch.load(os.path.join(directory, "expected.pt"), weights_only=False)
 
     def build(user_dim: int = 8, fused: dict = ADAGRAD):
@@ -586,35 +547,24 @@ def refused(model: nn.Module, directory: str, name: str, words: str, strict: boo
     return False
 
 
-def write(path: str, result: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1, sort_keys=True)
-
-
 def main() -> None:
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.WARNING)
-    torch.set_num_threads(1)
     job, directory = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
-    name = job if job == "save" else f"load_{dist.get_world_size()}_{sys.argv[3]}"
-    try:
-        if job == "save":
-            save_job(directory)
-        else:
-            result = load_job(directory, sys.argv[3])
+    with gloo_job():
+        name = job if job == "save" else f"load_{dist.get_world_size()}_{sys.argv[3]}"
+        try:
+            if job == "save":
+                save_job(directory)
+            else:
+                result = load_job(directory, sys.argv[3])
+                if dist.get_rank() == 0:
+                    write_result(os.path.join(directory, f"{name}.json"), result)
+        except Exception:
             if dist.get_rank() == 0:
-                write(os.path.join(directory, f"{name}.json"), result)
-    except Exception:
-        if dist.get_rank() == 0:
-            write(
-                os.path.join(directory, f"{name}.json"),
-                {"passed": False, "error": traceback.format_exc()},
-            )
-        raise
-    gc.collect()  # why: free the models (they hold the process group) before it goes
-    dist.barrier()
-    dist.destroy_process_group()
+                write_result(
+                    os.path.join(directory, f"{name}.json"),
+                    {"passed": False, "error": traceback.format_exc()},
+                )
+            raise
 
 
 if __name__ == "__main__":

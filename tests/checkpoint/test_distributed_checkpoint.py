@@ -9,9 +9,7 @@ are here.
 """
 
 import json
-import os
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -19,31 +17,14 @@ import pytest
 import torch.distributed.checkpoint as dcp
 
 from tests.checkpoint import ckpt_worker
+from tests.torchrun_jobs import read_result, run_job, torchrun_command
 from torchrec_kvemb import checkpoint
 
-WORKER = Path(__file__).with_name("ckpt_worker.py")
+WORKER = "tests.checkpoint.ckpt_worker"
 
 
 def torchrun(world_size: int, *args: str) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={world_size}",
-        str(WORKER),
-        *args,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
-
-
-def read_result(path: Path, job: subprocess.CompletedProcess) -> dict:
-    if not path.exists():
-        pytest.fail(f"the job wrote no result (exit {job.returncode}):\n{job.stderr[-6000:]}")
-    result = json.loads(path.read_text())
-    print(json.dumps(result, indent=1, sort_keys=True))
-    return result
+    return run_job(torchrun_command(world_size, "-m", WORKER, *args))
 
 
 def assert_passed(result: dict) -> None:

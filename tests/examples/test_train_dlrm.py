@@ -6,9 +6,7 @@ the checkpoint round trip at world size 1.
 """
 
 import gzip
-import importlib
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,31 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+from tests.examples.helpers import EXAMPLES, TINY, load_example, run_example, train_tiny
+
 SCRIPT = EXAMPLES / "train_dlrm.py"
-TINY = [
-    "--batch-size", "64",
-    "--eval-batches", "2",
-    "--kv-capacity", "512",
-    "--stock-rows", "1000",
-    "--log-every", "2",
-]  # fmt: skip
-
-
-def load_example(name: str):
-    """An example module by file name (examples/ is not a package)."""
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    return importlib.import_module(name)
-
-
-def run_job(command: list[str]) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["OMP_NUM_THREADS"] = "1"
-    job = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    print(job.stdout)
-    assert job.returncode == 0, f"exit {job.returncode}\n{job.stdout[-3000:]}\n{job.stderr[-6000:]}"
-    return job
 
 
 def check_round_trip(job: subprocess.CompletedProcess, workdir: Path) -> None:
@@ -54,11 +30,7 @@ def check_round_trip(job: subprocess.CompletedProcess, workdir: Path) -> None:
 
 def test_train_dlrm_synthetic_torchrun(tmp_path):
     workdir = tmp_path / "demo"
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        str(SCRIPT), "--workdir", str(workdir), "--steps", "6", *TINY,
-    ]  # fmt: skip
-    job = run_job(command)
+    job = train_tiny(workdir, steps=6)
     assert "trained 6 steps x 2 ranks x 64 samples" in job.stdout
     # The progress bar (rank 0, stderr) carries the loss and the KV metrics.
     for word in ("step/s", "loss=", "rows=", "load=", "hit=", "evict=", "rejects="):
@@ -71,8 +43,8 @@ def test_train_dlrm_synthetic_torchrun(tmp_path):
 def synthetic_tsv(path: Path, lines: int) -> None:
     """Criteo-format lines drawn from the example's synthetic stream, with some empty
     and negative dense values and some empty categorical values."""
-    train_dlrm = load_example("train_dlrm")
-    stream = train_dlrm.SyntheticCriteo(id_space=2**32, zipf=1.05, drift=2.0, seed=3)
+    synthetic = load_example("common.synthetic")
+    stream = synthetic.SyntheticCriteo(id_space=2**32, zipf=1.05, drift=2.0, seed=3)
     raw = stream.batch(step=0, rank=0, size=lines)
     with open(path, "w") as f:
         for i in range(lines):
@@ -95,7 +67,7 @@ def test_train_dlrm_on_criteo_tsv(tmp_path):
         sys.executable, str(SCRIPT), "--world-size", "2", "--data", str(data),
         "--workdir", str(workdir), "--steps", "10", *TINY,
     ]  # fmt: skip
-    job = run_job(command)
+    job = run_example(command)
     assert "trained 3 steps x 2 ranks x 64 samples" in job.stdout
     check_round_trip(job, workdir)
 
@@ -119,10 +91,10 @@ def reader_lines() -> list[str]:
 
 
 def test_criteo_tsv_values(tmp_path):
-    criteo_tsv = load_example("criteo_tsv")
+    criteo = load_example("common.criteo")
     path = tmp_path / "tiny.tsv"
     path.write_text("".join(reader_lines()))
-    (raw,) = criteo_tsv.read_criteo_tsv([path], batch_size=5)
+    (raw,) = criteo.read_criteo_tsv([path], batch_size=5)
     assert raw.labels.tolist() == [1, 1, 0, 1, 0]
     assert raw.dense[0, :4].tolist() == [3, 0, -1, 3]
     assert raw.sparse[0, :4].tolist() == [0x68FD1E64, 0, 2**63 - 1, 2**40]
@@ -130,7 +102,7 @@ def test_criteo_tsv_values(tmp_path):
 
     sizes = [None] * 26
     sizes[0], sizes[3] = 1000, 7
-    batch = criteo_tsv.to_batch(raw, sizes)
+    batch = criteo.to_batch(raw, sizes)
     dense = batch.dense_features
     assert dense.dtype == torch.float32 and dense.shape == (5, 13)
     assert dense[0, :3].tolist() == pytest.approx([math.log(4), 0.0, 0.0])
@@ -151,13 +123,13 @@ def test_criteo_tsv_values(tmp_path):
 
 
 def test_criteo_tsv_ranks_blocks_and_gzip(tmp_path):
-    criteo_tsv = load_example("criteo_tsv")
+    criteo = load_example("common.criteo")
     lines = reader_lines()
     plain, packed = tmp_path / "a.tsv", tmp_path / "a.tsv.gz"
     plain.write_text("".join(lines))
     with gzip.open(packed, "wt") as f:
         f.write("".join(lines))
-    read = criteo_tsv.read_criteo_tsv
+    read = criteo.read_criteo_tsv
     # Blocks of batch_size * world_size = 4 lines: one full block, line 5 dropped.
     rank0 = list(read([plain], batch_size=2, rank=0, world_size=2))
     rank1 = list(read([packed], batch_size=2, rank=1, world_size=2))
@@ -171,12 +143,12 @@ def test_criteo_tsv_ranks_blocks_and_gzip(tmp_path):
 
 
 def test_criteo_tsv_refuses_malformed_lines(tmp_path):
-    criteo_tsv = load_example("criteo_tsv")
+    criteo = load_example("common.criteo")
     lines = reader_lines()
     path = tmp_path / "bad.tsv"
     path.write_text(lines[0] + "1\t2\t3\n")
     with pytest.raises(ValueError, match=r"bad.tsv:1\+1: expected 40 tab-separated columns"):
-        list(criteo_tsv.read_criteo_tsv([path], batch_size=2))
+        list(criteo.read_criteo_tsv([path], batch_size=2))
     path.write_text(lines[0].replace("68fd1e64", "zz"))
     with pytest.raises(ValueError, match="bad.tsv:1"):
-        list(criteo_tsv.read_criteo_tsv([path], batch_size=1))
+        list(criteo.read_criteo_tsv([path], batch_size=1))

@@ -2,7 +2,7 @@
 
 Run by ``tests/sharding/test_distributed.py``::
 
-    torchrun --nproc_per_node N tests/sharding/dist_worker.py RESULT.json
+    torchrun --nproc_per_node N -m tests.sharding.dist_worker RESULT.json   # repo root
 
 Every rank builds the unsharded reference from the same options and seeds and
 feeds it the global batch (all ranks' bags, rank-major); the sharded model sees
@@ -16,12 +16,9 @@ they pass. The assertions live in the test.
 from __future__ import annotations
 
 import gc
-import json
-import logging
 import os
 import sys
 import traceback
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -37,6 +34,7 @@ from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
+from tests.torchrun_jobs import Tally, gather, gloo_job, write_result
 from torchrec_kvemb import (
     EvictionPolicy,
     Initializer,
@@ -192,49 +190,14 @@ class LossModel(nn.Module):
 
 
 # ------------------------------------------------------------- comparisons
-class Tally:
-    """Largest differences seen in one scenario, and exactness checks."""
-
-    def __init__(self) -> None:
-        self.figures: dict[str, float] = {}
-        self.checks: dict[str, bool] = {}
-
-    def diff(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
-        if a.shape != b.shape:
-            self.check(f"{name} shape", False)
-            return
-        d = float((a - b).abs().max()) if a.numel() else 0.0
-        self.figures[name] = max(self.figures.get(name, 0.0), d)
-
-    def check(self, name: str, ok: bool) -> None:
-        self.checks[name] = self.checks.get(name, True) and bool(ok)
-
-    def reduced(self) -> dict:
-        """Worst over ranks (every rank must call it; ranks may hold different names)."""
-        figures: dict[str, float] = {}
-        checks: dict[str, bool] = {}
-        for part_figures, part_checks in gather_list((self.figures, self.checks)):
-            for n, v in part_figures.items():
-                figures[n] = max(figures.get(n, 0.0), v)
-            for n, ok in part_checks.items():
-                checks[n] = checks.get(n, True) and ok
-        out = {"max_abs_diff": figures, "checks": checks}
-        out["passed"] = all(v <= TOL for v in out["max_abs_diff"].values()) and all(
-            out["checks"].values()
-        )
-        return out
-
-
 def compare_outputs(tally: Tally, got: dict, ref: dict, keys: list[str], rank: int) -> None:
     for key in keys:
         tally.diff("outputs", got[key], ref[key][rank * BATCH : (rank + 1) * BATCH])
 
 
 def gather_exports(tables: dict[str, KVTable]) -> list[tuple[int, dict]]:
-    local = {name: t.export() for name, t in tables.items()}
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (dist.get_rank(), local))
-    return parts
+    """Every rank's exports of its table shards, with its rank."""
+    return list(enumerate(gather({name: t.export() for name, t in tables.items()})))
 
 
 def compare_tables(
@@ -313,7 +276,7 @@ def kv_scenario(
         dmp = DistributedModelParallel(model, device=CPU, plan=plan, sharders=[sharder])
         sharded = dmp.module.ebc
         ref = KVEmbeddingBagCollection(configs, OPTIONS, is_weighted=weighted, fused_params=fused)
-        tally = Tally()
+        tally = Tally(TOL)
         tally.check("sharded type", isinstance(sharded, ShardedKVEmbeddingBagCollection))
         for name, ps in plan.plan["ebc"].items():
             tally.check(f"{name} planned {sharding}", ps.sharding_type == sharding)
@@ -341,7 +304,7 @@ def kv_scenario(
         for key in keys:
             tally.diff("eval outputs", kt[key], ref_kt[key][rank * BATCH : (rank + 1) * BATCH])
         compare_tables(tally, sharded, ref, {n: sharding for n in OPTIONS})
-        result = tally.reduced()
+        result = tally.result()
         result["plan"] = plan_summary(plan)
         return result
 
@@ -386,7 +349,7 @@ def mixed_scenario() -> dict:
     sharded = dmp.module.ebc
     plan = dmp.plan.plan["ebc"]
     ref = KVEmbeddingBagCollection(kv_configs(2**40), OPTIONS, fused_params=ADAGRAD)
-    tally = Tally()
+    tally = Tally(TOL)
     for name, ps in plan.items():
         is_kv = ps.compute_kernel == KV_KERNEL
         tally.check(f"{name} kernel", is_kv == (name in OPTIONS))
@@ -416,20 +379,14 @@ def mixed_scenario() -> dict:
     compare_tables(tally, sharded, ref, {n: plan[n].sharding_type for n in OPTIONS})
     sizes = {n: m["size"] for n, m in sharded.metrics().items()}
     total = {n: 0 for n in OPTIONS}
-    for part in gather_list(sizes):
+    for part in gather(sizes):
         for n, s in part.items():
             total[n] += s
     for n in OPTIONS:
         tally.check(f"{n} metrics size sums to the reference's", total[n] == ref.table(n).size)
-    result = tally.reduced()
+    result = tally.result()
     result["plan"] = plan_summary(dmp.plan)
     return result
-
-
-def gather_list(obj) -> list:
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def gather_stock_weights(dmp) -> dict[str, torch.Tensor]:
@@ -445,7 +402,7 @@ def gather_stock_weights(dmp) -> dict[str, torch.Tensor]:
         else:
             local[config.name] = [([0, 0], value.detach().clone())]
     full = {c.name: torch.zeros(c.num_embeddings, c.embedding_dim) for c in STOCK_CONFIGS}
-    for part in gather_list(local):
+    for part in gather(local):
         for name, shards in part.items():
             for (row, col), tensor in shards:
                 full[name][row : row + tensor.shape[0], col : col + tensor.shape[1]] = tensor
@@ -466,7 +423,7 @@ def pipeline_scenario() -> dict:
     dmp = DistributedModelParallel(LossModel(build()), device=CPU, sharders=[sharder])
     sharded = dmp.module.ebc
     ref = build()
-    tally = Tally()
+    tally = Tally(TOL)
     tally.check("sharded type", isinstance(sharded, ShardedKVEmbeddingBagCollection))
     keys = ["u1", "u2", "i"]
     pools = {k: v for k, v in id_pools(2**63 - 1).items() if k in keys}
@@ -488,7 +445,7 @@ def pipeline_scenario() -> dict:
     compare_tables(
         tally, sharded, ref, {n: ps.sharding_type for n, ps in dmp.plan.plan["ebc"].items()}
     )
-    result = tally.reduced()
+    result = tally.result()
     result["plan"] = plan_summary(dmp.plan)
     return result
 
@@ -504,33 +461,25 @@ SCENARIOS: dict[str, Callable[[], dict]] = {
 }
 
 
-def write(path: str, results: dict) -> None:
-    if dist.get_rank() == 0:
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1, sort_keys=True)
-
-
 def main() -> None:
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.WARNING)
     out_path = sys.argv[1]
     only = sys.argv[2].split(",") if len(sys.argv) > 2 else list(SCENARIOS)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    results = {"world_size": dist.get_world_size(), "scenarios": {}}
-    for name in only:
-        try:
-            results["scenarios"][name] = SCENARIOS[name]()
-            gc.collect()  # why: free the scenario's models (they hold the process group)
-        except Exception:
-            # The other ranks are stuck in a collective: write what there is and abort
-            # (torchrun then stops them).
-            results["scenarios"][name] = {"passed": False, "error": traceback.format_exc()}
-            write(out_path, results)
-            raise
-    write(out_path, results)
-    dist.barrier()
-    dist.destroy_process_group()
+    with gloo_job():
+        rank = dist.get_rank()
+        results = {"world_size": dist.get_world_size(), "scenarios": {}}
+        for name in only:
+            try:
+                results["scenarios"][name] = SCENARIOS[name]()
+                gc.collect()  # why: free the scenario's models (they hold the process group)
+            except Exception:
+                # The other ranks are stuck in a collective: write what there is and
+                # abort (torchrun then stops them).
+                results["scenarios"][name] = {"passed": False, "error": traceback.format_exc()}
+                if rank == 0:
+                    write_result(out_path, results)
+                raise
+        if rank == 0:
+            write_result(out_path, results)
 
 
 if __name__ == "__main__":

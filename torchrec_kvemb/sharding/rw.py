@@ -14,17 +14,14 @@ is the stock reduce-scatter of pooled partial sums.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torchrec.distributed.dist_data import KJTAllToAll
-from torchrec.distributed.embedding_lookup import BaseEmbeddingLookup
 from torchrec.distributed.embedding_sharding import (
     BaseSparseFeaturesDist,
     EmbeddingShardingInfo,
 )
-from torchrec.distributed.embedding_types import BaseGroupedFeatureProcessor
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.types import Awaitable, QuantizedCommCodecs, ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import PoolingType
@@ -32,7 +29,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvemb.ops.dispatch import block_bucketize_2d
 from torchrec_kvemb.ops.hashing import route_bucket
-from torchrec_kvemb.sharding.kv_embedding import KVGroupedPooledEmbeddingsLookup, KVTableSpecs
+from torchrec_kvemb.sharding.kv_embedding import KVTableSpecs
+from torchrec_kvemb.sharding.kv_lookup import KVLookupMixin
 
 
 def check_num_buckets(table: str, num_buckets: int, world_size: int) -> None:
@@ -176,7 +174,7 @@ class KVRwSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         return self._dist(routed)
 
 
-class KVRwPooledEmbeddingSharding(RwPooledEmbeddingSharding):
+class KVRwPooledEmbeddingSharding(KVLookupMixin, RwPooledEmbeddingSharding):
     """TorchRec's row-wise pooled sharding with KV routing and KV lookups.
 
     Each rank holds one shard of every table, with ``1 / W`` of its capacity.
@@ -185,6 +183,8 @@ class KVRwPooledEmbeddingSharding(RwPooledEmbeddingSharding):
 
         sharding = KVRwPooledEmbeddingSharding(sharding_infos, env, device, specs=specs)
     """
+
+    kv_sharding_type = ShardingType.ROW_WISE
 
     def __init__(
         self,
@@ -213,21 +213,3 @@ class KVRwPooledEmbeddingSharding(RwPooledEmbeddingSharding):
         ]
         mean_pooled = [t.pooling == PoolingType.MEAN for t in tables for _ in t.feature_names]
         return KVRwSparseFeaturesDist(self._pg, num_buckets, mean_pooled)
-
-    def create_lookup(
-        self,
-        device: torch.device | None = None,
-        fused_params: dict[str, Any] | None = None,
-        feature_processor: BaseGroupedFeatureProcessor | None = None,
-    ) -> BaseEmbeddingLookup:
-        if feature_processor is not None:
-            raise ValueError("KV tables: feature processors are not supported yet")
-        return KVGroupedPooledEmbeddingsLookup(
-            self._kv_specs,
-            num_shards=self._pg.size(),
-            grouped_configs=self._grouped_embedding_configs,
-            pg=self._pg,
-            device=device if device is not None else self._device,
-            sharding_type=ShardingType.ROW_WISE,
-            env=self._env,
-        )
