@@ -14,6 +14,10 @@ exports (``momentum1 [n]``, ``exp_avg [n, dim]``...), ``split_state`` and
 ``join_state`` convert between them and the table's ``[n, state_dim]`` rows.
 Its ``learning_rate`` is the rate a table starts with; a table's current rate
 lives in its param group (``KVTable.learning_rate``).
+
+Defaults are FBGEMM's fused tables' (where the stock sharder sends
+``fused_params``): ``EXACT_SGD``, learning rate 0.01, eps 1e-8, no weight decay
+mode (a ``weight_decay`` without ``weight_decay_mode`` does nothing).
 """
 
 from __future__ import annotations
@@ -84,13 +88,13 @@ class FusedOptimConfig:
         )
     """
 
-    kind: OptimKind = OptimKind.ROWWISE_ADAGRAD
+    kind: OptimKind = OptimKind.SGD
     learning_rate: float = 0.01
     eps: float = 1e-8
     beta1: float = 0.9
     beta2: float = 0.999
     weight_decay: float = 0.0
-    weight_decay_mode: WeightDecay = WeightDecay.L2
+    weight_decay_mode: WeightDecay = WeightDecay.NONE
     gradient_clipping: bool = False
     max_gradient: float = 1.0
 
@@ -110,7 +114,7 @@ class FusedOptimConfig:
                 supported = ", ".join(o.name for o in _KINDS)
                 raise ValueError(f"fused_params: optimizer {opt!r} is not supported ({supported})")
             kind = _KINDS[opt]
-        mode = params.get("weight_decay_mode", WeightDecay.L2)
+        mode = params.get("weight_decay_mode", WeightDecay.NONE)
         mode = WeightDecay(int(getattr(mode, "value", mode)))
         config = cls(
             kind=kind,
