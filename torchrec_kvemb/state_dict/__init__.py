@@ -47,7 +47,7 @@ from torchrec_kvemb.state_dict.checks import (
     check_state,
     check_table_rows,
 )
-from torchrec_kvemb.state_dict.entries import local_rows, rows_from_entries
+from torchrec_kvemb.state_dict.entries import is_distributed, local_rows, rows_from_entries
 from torchrec_kvemb.state_dict.hooks import register_sharded_hooks, register_unsharded_hooks
 from torchrec_kvemb.state_dict.layout import (
     KVTableDescription,
@@ -66,6 +66,7 @@ from torchrec_kvemb.state_dict.rows import (
     TableRows,
     admission_state,
     restore_table,
+    table_rows,
     table_state,
 )
 from torchrec_kvemb.state_dict.sharded import (
@@ -93,6 +94,7 @@ __all__ = [
     "check_table_rows",
     "describe_state_dict",
     "gather_row_counts",
+    "is_distributed",
     "kv_table_slots",
     "local_rows",
     "owned_buckets",
@@ -103,5 +105,6 @@ __all__ = [
     "rows_from_entries",
     "sharded_entries",
     "sharded_layouts",
+    "table_rows",
     "table_state",
 ]

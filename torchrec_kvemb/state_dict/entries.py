@@ -42,6 +42,12 @@ def rows_from_entries(name: str, entries: dict[str, Any]) -> TableRows:
     )
 
 
+def is_distributed(value: Any) -> bool:
+    """Whether an entry is this rank's part of a distributed tensor (a ShardedTensor),
+    not the whole table."""
+    return isinstance(value, ShardedTensor)
+
+
 def local_rows(name: str, key: str, value: Any) -> torch.Tensor:
     """The rows a state_dict entry gives this rank: a plain tensor as it is, a
     ShardedTensor's local shards (in offset order)."""

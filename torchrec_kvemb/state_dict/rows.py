@@ -74,7 +74,7 @@ def table_state(table: KVTable) -> dict[str, torch.Tensor]:
     """A table's state_dict entries (key suffixes after ``embedding_bags.<table>.``),
     rows sorted by routing bucket, then id."""
     num_buckets = table.options.total_num_buckets
-    data = table.export(route_buckets=num_buckets)
+    data = table_rows(table)
     out = {"weight": data["weights"], "weight_id": data["ids"], "weight_score": data["scores"]}
     for name in table.optim.state_names():
         out[name] = data[name]
@@ -83,6 +83,12 @@ def table_state(table: KVTable) -> dict[str, torch.Tensor]:
     if table.options.admission_threshold > 1:
         out.update(zip(ADMISSION_KEYS, admission_state(table), strict=True))
     return out
+
+
+def table_rows(table: KVTable) -> dict[str, torch.Tensor]:
+    """``table.export(route_buckets=G)``: ids, weights, scores and optimizer state in
+    checkpoint order (routing bucket, then id)."""
+    return table.export(route_buckets=table.options.total_num_buckets)
 
 
 def admission_state(table: KVTable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
