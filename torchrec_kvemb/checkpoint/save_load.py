@@ -59,6 +59,11 @@ from torchrec_kvemb.state_dict import (
 )
 
 MODEL = "model"
+#: What to do with a stock table's rows in a checkpoint of a KV model.
+MIGRATE_HINT = (
+    "to load a stock table's rows into a KV table use "
+    "torchrec_kvemb.checkpoint.migrate.load_dense_into_kv(model, path)"
+)
 
 
 # ------------------------------------------------------------------- save
@@ -299,6 +304,11 @@ def _check_kv_config(
         key = prefix.rstrip(".")
         where = f"table {layout.name!r} ({key})"
         weight = f"{MODEL}.{prefix}weight"
+        if key not in tables and weight in saved:
+            raise CheckpointError(
+                f"{where}: the checkpoint holds a stock table's weight there (no weight_id); "
+                f"{MIGRATE_HINT}"
+            )
         if key not in tables or weight not in saved:
             raise CheckpointError(f"{where} is not in the checkpoint")
         want = tables[key]

@@ -22,9 +22,15 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from torchrec_kvemb.state_dict.checks import CheckpointError, check_fits, check_table_rows
-from torchrec_kvemb.state_dict.entries import is_placeholder, rows_from_entries
+from torchrec_kvemb.state_dict.entries import (
+    is_distributed,
+    is_placeholder,
+    local_rows,
+    rows_from_entries,
+)
 from torchrec_kvemb.state_dict.layout import KVTableDescription, KVTableSlot, TableLayout
 from torchrec_kvemb.state_dict.rows import (
     KNOWN_KEYS,
@@ -34,6 +40,12 @@ from torchrec_kvemb.state_dict.rows import (
     table_state,
 )
 from torchrec_kvemb.state_dict.sharded import sharded_entries
+
+#: What to do with a state_dict of another world size or sharding.
+RESHARD_HINT = (
+    "to load a checkpoint at another world size or sharding use "
+    "torchrec_kvemb.checkpoint.load (or give load_state_dict whole plain tensors)"
+)
 
 
 def register_unsharded_hooks(module: nn.Module) -> None:
@@ -109,17 +121,52 @@ def _register(module: nn.Module, sharded: bool, group: dist.ProcessGroup | None)
 
 def _owned_rows(layout: TableLayout, entries: dict[str, Any]) -> TableRows | None:
     """The checked rows this rank keeps of one table's entries (None: it holds no
-    shard of the table): plain tensors are the whole table, of which a sharded
-    rank keeps the ids it owns; ShardedTensors give their local shards."""
+    shard of the table). Whole tensors give every row, of which a sharded rank
+    keeps the ids it owns; a shard (ShardedTensor, sharded DTensor) must be this
+    rank's shard of this layout: one of another layout is refused."""
     rows = rows_from_entries(layout.name, entries)
+    shard = is_distributed(entries["weight_id"])
     table = layout.table
     if table is None:
+        if shard and rows.ids.numel():
+            _refuse_shard(layout, f"holds {rows.ids.numel()} rows of a table it does not hold")
         return None
     state_shapes = table.optim.state_shapes(layout.dim)
     check_table_rows(layout.name, layout.dim, state_shapes, rows, layout.num_buckets)
+    if shard:
+        _check_shard(layout, rows, entries.get("bucket"))
     rows = rows.select(layout.owns(rows.ids))
     if rows.admission is not None:
         keep = layout.owns(rows.admission[0])
         rows.admission = tuple(t[keep] for t in rows.admission)
     check_fits(table, rows)
     return rows
+
+
+def _check_shard(layout: TableLayout, rows: TableRows, bucket: Any) -> None:
+    """A shard given to this rank holds ids of the buckets it owns only and, where
+    ``bucket`` is given, exactly its bucket range (its count and row total)."""
+    outside = int((~layout.owns(rows.ids)).sum())
+    if outside:
+        _refuse_shard(layout, f"holds {outside} ids of routing buckets this rank does not own")
+    if bucket is None:
+        return
+    lo, hi = layout.owned
+    counts = local_rows(layout.name, "bucket", bucket)
+    start = lo
+    if isinstance(bucket, ShardedTensor) and counts.numel():
+        start = min(s.metadata.shard_offsets[0] for s in bucket.local_shards())
+    if (start, counts.numel(), int(counts.sum())) != (lo, hi - lo, rows.ids.numel()):
+        _refuse_shard(
+            layout,
+            f"covers routing buckets [{start}, {start + counts.numel()}) with "
+            f"{int(counts.sum())} rows, this rank owns buckets [{lo}, {hi}) and was given "
+            f"{rows.ids.numel()} rows",
+        )
+
+
+def _refuse_shard(layout: TableLayout, what: str) -> None:
+    raise CheckpointError(
+        f"table {layout.name!r}: this rank's shard of the state_dict {what} (a state_dict "
+        f"of another world size or sharding); {RESHARD_HINT}"
+    )
