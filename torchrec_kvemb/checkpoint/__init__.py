@@ -43,7 +43,7 @@ from torchrec_kvemb.checkpoint.incremental import (
     load_dumps_into,
 )
 from torchrec_kvemb.checkpoint.marker import MARKER, fingerprint, read_marker
-from torchrec_kvemb.checkpoint.reader import ParallelFileSystemReader
+from torchrec_kvemb.checkpoint.reader import KVLoadPlanner, ParallelFileSystemReader
 from torchrec_kvemb.checkpoint.save_load import load, save
 from torchrec_kvemb.checkpoint.streaming import CallableSink, EmbeddingStreamer, FileSink
 from torchrec_kvemb.state_dict.checks import CheckpointError
@@ -55,6 +55,7 @@ __all__ = [
     "EmbeddingStreamer",
     "FileSink",
     "IncrementalDumper",
+    "KVLoadPlanner",
     "ParallelFileSystemReader",
     "apply_dumps",
     "dump_incremental",
