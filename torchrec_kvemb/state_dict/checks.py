@@ -113,7 +113,13 @@ def _sorted_unique(ids: torch.Tensor, num_buckets: int | None) -> bool:
 
 
 def check_fits(table: KVTable, rows: TableRows) -> None:
-    """A table without an SSD tier cannot take more rows than its capacity."""
+    """A table without an SSD tier cannot take more rows than its capacity, and a
+    table on the ``meta`` device none."""
+    if table.device.type == "meta" and rows.ids.numel():
+        raise CheckpointError(
+            f"table {table.name!r} lives on the meta device and cannot take rows: "
+            "materialize the model on a real device before loading"
+        )
     if table.ssd is None and rows.ids.numel() > table.capacity:
         raise CheckpointError(
             f"table {table.name!r}: {rows.ids.numel()} rows do not fit its capacity "

@@ -131,6 +131,9 @@ def _owned_rows(layout: TableLayout, entries: dict[str, Any]) -> TableRows | Non
         if shard and rows.ids.numel():
             _refuse_shard(layout, f"holds {rows.ids.numel()} rows of a table it does not hold")
         return None
+    if table.device.type == "meta":
+        check_fits(table, rows)  # a table on meta takes no rows; nothing to check then
+        return None
     state_shapes = table.optim.state_shapes(layout.dim)
     check_table_rows(layout.name, layout.dim, state_shapes, rows, layout.num_buckets)
     if shard:

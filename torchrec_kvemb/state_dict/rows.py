@@ -72,13 +72,18 @@ def bucket_order(ids: torch.Tensor, num_buckets: int) -> tuple[torch.Tensor, tor
 
 def table_state(table: KVTable) -> dict[str, torch.Tensor]:
     """A table's state_dict entries (key suffixes after ``embedding_bags.<table>.``),
-    rows sorted by routing bucket, then id."""
+    rows sorted by routing bucket, then id. A table on the ``meta`` device gives
+    empty entries of the right dims and dtypes, on ``meta``."""
     num_buckets = table.options.total_num_buckets
     data = table_rows(table)
     out = {"weight": data["weights"], "weight_id": data["ids"], "weight_score": data["scores"]}
     for name in table.optim.state_names():
         out[name] = data[name]
-    out["bucket"] = torch.bincount(route_bucket(data["ids"], num_buckets), minlength=num_buckets)
+    if table.device.type == "meta":
+        out["bucket"] = torch.zeros(num_buckets, dtype=torch.int64, device=table.device)
+    else:
+        ids = data["ids"]
+        out["bucket"] = torch.bincount(route_bucket(ids, num_buckets), minlength=num_buckets)
     out["step"] = torch.tensor([table.step, table.optim_step], dtype=torch.int64)
     if table.options.admission_threshold > 1:
         out.update(zip(ADMISSION_KEYS, admission_state(table), strict=True))
@@ -87,13 +92,27 @@ def table_state(table: KVTable) -> dict[str, torch.Tensor]:
 
 def table_rows(table: KVTable) -> dict[str, torch.Tensor]:
     """``table.export(route_buckets=G)``: ids, weights, scores and optimizer state in
-    checkpoint order (routing bucket, then id)."""
-    return table.export(route_buckets=table.options.total_num_buckets)
+    checkpoint order (routing bucket, then id). A table on the ``meta`` device holds
+    no ids (no kernel there can list them): empty tensors of its dims, on ``meta``."""
+    if table.device.type != "meta":
+        return table.export(route_buckets=table.options.total_num_buckets)
+    meta = table.device
+    out = {
+        "ids": torch.empty(0, dtype=torch.int64, device=meta),
+        "weights": torch.empty(0, table.dim, dtype=torch.float32, device=meta),
+        "scores": torch.empty(0, dtype=torch.int64, device=meta),
+    }
+    for name, shape in table.optim.state_shapes(table.dim).items():
+        out[name] = torch.empty(0, *shape, dtype=torch.float32, device=meta)
+    return out
 
 
 def admission_state(table: KVTable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(ids, sightings, scores)`` of the ids the admission counter tracks, sorted by
-    routing bucket, then id (empty for a table without admission)."""
+    routing bucket, then id (empty for a table without admission, or on ``meta``)."""
+    if table.device.type == "meta":
+        empty = torch.empty(0, dtype=torch.int64, device=table.device)
+        return empty, empty, empty
     ids, counts, scores = table.admission_entries()
     ids, by_id = torch.sort(ids)
     order, _ = bucket_order(ids, table.options.total_num_buckets)
@@ -107,7 +126,11 @@ def restore_table(table: KVTable, rows: TableRows) -> int:
 
     With an SSD tier, each index bucket keeps its rows of the highest scores in
     memory (then smallest ids, as a fresh insert ranks them) and the others go to
-    the SSD tier; every row keeps its saved score in either tier."""
+    the SSD tier; every row keeps its saved score in either tier. A table on the
+    ``meta`` device holds nothing: an empty content is a no-op (``check_fits``
+    refuses rows)."""
+    if table.device.type == "meta":
+        return 0
     table.reserve(rows.ids.numel())  # a full disk raises here, before the table changes
     table.clear()
     state = table.optim.join_state(rows.state, table.dim) if rows.ids.numel() else None
