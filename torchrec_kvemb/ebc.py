@@ -10,9 +10,10 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_kvemb.bag_lookup import BagTable, KVBagLookup
-from torchrec_kvemb.checkpoint.state import register_unsharded_hooks
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import KVTableOptions
+from torchrec_kvemb.state_dict.hooks import register_unsharded_hooks
+from torchrec_kvemb.state_dict.layout import TableLayout
 from torchrec_kvemb.table import KVTable
 
 
@@ -104,6 +105,10 @@ class KVEmbeddingBagCollection(nn.Module):
     def kv_tables(self) -> dict[str, KVTable]:
         """Every KVTable by name (``tables`` is not used: TorchRec's planner reads it)."""
         return dict(self._tables)
+
+    def kv_layouts(self) -> list[TableLayout]:
+        """Every table as its state_dict and checkpoints see it (whole, in this process)."""
+        return [TableLayout.unsharded(table) for table in self._tables.values()]
 
     def metrics(self) -> dict[str, dict[str, float]]:
         """``KVTable.metrics()`` of every table, by name."""

@@ -52,10 +52,11 @@ from torchrec_kvemb import (
     KVEmbeddingBagCollectionSharder,
     KVTableOptions,
 )
+from torchrec_kvemb.checkpoint import marker
 from torchrec_kvemb.checkpoint.migrate import export_dense, load_dense_into_kv
-from torchrec_kvemb.checkpoint.state import admission_state
 from torchrec_kvemb.ops.hashing import route_bucket
 from torchrec_kvemb.sharding import owner_rank
+from torchrec_kvemb.state_dict import admission_state
 
 #: Bags per step over all ranks (divisible by 1, 2 and 3), steps before the save, in all.
 GLOBAL_BATCH = 12
@@ -400,7 +401,7 @@ def save_job(directory: str) -> dict:
     def die(*args, **kwargs) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    ckpt._write_marker = die  # rank 0 dies after every rank's files, before the marker
+    marker.write_marker = die  # rank 0 dies after every rank's files, before the marker
     ckpt.save(dmp, os.path.join(directory, "killed"), optimizer=optimizer)
     return result
 

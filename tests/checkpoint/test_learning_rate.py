@@ -26,7 +26,7 @@ from tests.checkpoint.test_state_dict import (
     snapshot,
 )
 from torchrec_kvemb import KVEmbeddingBagCollection, KVEmbeddingBagCollectionSharder, checkpoint
-from torchrec_kvemb.checkpoint import CheckpointError
+from torchrec_kvemb.checkpoint import CheckpointError, save_load
 
 #: Learning rates set during training; models are built with others (``BUILT_LR``).
 CHANGED = {"user": 0.037, "item": 0.0123}
@@ -160,7 +160,7 @@ def test_a_checkpoint_without_learning_rates_loads_and_keeps_the_current_ones(
     train(model, optimizer, range(3))
     set_lr(model, CHANGED)
     with monkeypatch.context() as patch:
-        patch.setattr(checkpoint, "_learning_rates", lambda slots: {})
+        patch.setattr(save_load, "learning_rates", lambda slots: {})
         checkpoint.save(model, tmp_path / "old")
     assert saved_lrs(tmp_path / "old") == {}
 
@@ -183,7 +183,7 @@ def test_a_bad_saved_learning_rate_names_the_table_and_changes_nothing(bad, tmp_
     train(model, dense_optimizer(model), range(2))
     with monkeypatch.context() as patch:
         rates = {"ebc.embedding_bags.item.weight": {"lr": bad}}
-        patch.setattr(checkpoint, "_learning_rates", lambda slots: rates)
+        patch.setattr(save_load, "learning_rates", lambda slots: rates)
         checkpoint.save(model, tmp_path / "ckpt")
     fresh = built(ADAGRAD)
     train(fresh, dense_optimizer(fresh), range(5, 6))

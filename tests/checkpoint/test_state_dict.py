@@ -13,8 +13,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvemb import EvictionPolicy, KVEmbeddingBagCollection, KVTableOptions, checkpoint
 from torchrec_kvemb.checkpoint import CheckpointError
-from torchrec_kvemb.checkpoint.state import admission_state
 from torchrec_kvemb.ops.hashing import index_bucket, route_bucket
+from torchrec_kvemb.state_dict import admission_state
 
 SGD = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.2}
 ADAGRAD = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1}

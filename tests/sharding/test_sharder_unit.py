@@ -238,7 +238,8 @@ def test_sharded_module_over_three_ranks(fake_world):
     assert groups[0]["lr"] == pytest.approx(0.05)  # KV groups come first
     assert "embedding_bags.kv.weight" in sharded.fused_optimizer.params
     state = sharded.fused_optimizer.state_dict()["state"]
-    assert state["embedding_bags.kv.weight"]["momentum1"].shape == (1008,)
+    by_id = state["embedding_bags.kv.weight"]["by_id"]  # optimizer state by id, not by slot
+    assert by_id["momentum1"].shape == by_id["weight_id"].shape == (0,)
     # Row-wise MEAN is pooled from per-id weights: the stock divisor leaves it alone.
     assert "g" not in sharded._pooling_type_to_rs_features.get("MEAN", [])
 

@@ -15,7 +15,6 @@ import torch
 
 import torchrec_kvemb.ssd.slab as slab_module
 from torchrec_kvemb import EvictionPolicy, KVTable, KVTableOptions, SSDOptions
-from torchrec_kvemb.checkpoint.state import restore_table, rows_from_entries, table_state
 from torchrec_kvemb.index import BucketIndex
 from torchrec_kvemb.ops.dispatch import insert
 from torchrec_kvemb.ops.hashing import index_bucket
@@ -24,6 +23,7 @@ from torchrec_kvemb.options import WAYS
 from torchrec_kvemb.ssd import KVStorageError, storage_estimate
 from torchrec_kvemb.ssd.slab import HEADER_BYTES
 from torchrec_kvemb.ssd.slot_index import INITIAL_BUCKETS, SlotIndex
+from torchrec_kvemb.state_dict import restore_table, rows_from_entries, table_state
 
 DIM = 6
 #: Memory rows of the cached tables: 8 buckets, so a batch of 24 ids (3 a bucket)

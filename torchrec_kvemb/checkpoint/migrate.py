@@ -32,28 +32,23 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from torchrec_kvemb.checkpoint import ParallelFileSystemReader, _single_process_ok
-from torchrec_kvemb.checkpoint.state import (
+from torchrec_kvemb.checkpoint.collectives import single_process_ok
+from torchrec_kvemb.checkpoint.reader import ParallelFileSystemReader
+from torchrec_kvemb.state_dict import (
     CheckpointError,
     KVTableSlot,
     TableRows,
     check_fits,
     check_table_rows,
-    describe_kv_tables,
+    kv_table_slots,
     restore_table,
 )
 
 __all__ = ["export_dense", "load_dense_into_kv"]
 
 
-def _slots(module: nn.Module) -> dict[str, KVTableSlot]:
-    with describe_kv_tables():
-        state = module.state_dict()
-    return {k[: -len("weight")]: v for k, v in state.items() if isinstance(v, KVTableSlot)}
-
-
 def _slot(module: nn.Module, table: str) -> KVTableSlot:
-    found = [s for s in _slots(module).values() if s.layout.name == table]
+    found = [s for s in kv_table_slots(module).values() if s.layout.name == table]
     if len(found) != 1:
         what = "no KV table" if not found else f"{len(found)} KV tables"
         raise CheckpointError(f"the module has {what} named {table!r}")
@@ -84,7 +79,7 @@ def load_dense_into_kv(
     with ``embedding_bags.<stock name>.weight``. Every table is checked before any
     changes (dim, capacity); errors name the table.
     """
-    slots = {s.layout.name: s for s in _slots(kv_module).values()}
+    slots = {s.layout.name: s for s in kv_table_slots(kv_module).values()}
     mapping = dict(tables) if tables is not None else {name: name for name in slots}
     for name in mapping:
         if name not in slots:
@@ -161,7 +156,7 @@ def _read_dcp_weights(
             tensor = targets.setdefault(found[0], torch.empty(md.size, dtype=md.properties.dtype))
         out[name] = (md.size, tensor)
     group = dist.group.WORLD if dist.is_initialized() else None
-    with _single_process_ok():
+    with single_process_ok():
         dcp.load(
             targets,
             storage_reader=ParallelFileSystemReader(path),

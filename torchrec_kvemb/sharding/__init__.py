@@ -4,7 +4,8 @@ Importing this package gives TorchRec's planner a bandwidth for KV tables'
 compute kernel (``customized_kernel``), which it otherwise refuses.
 """
 
-from torchrec_kvemb.sharding.kv_embedding import KVEmbeddingBag, KVFusedOptimizer
+from torchrec_kvemb.sharding.fused_optimizer import KVFusedOptimizer
+from torchrec_kvemb.sharding.kv_embedding import KVEmbeddingBag
 from torchrec_kvemb.sharding.planner import (
     KV_COMPUTE_KERNEL,
     kv_table_bytes,

@@ -11,7 +11,7 @@ stock grouped lookup that builds a ``KVEmbeddingBag`` for KV groups.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -26,12 +26,13 @@ from torchrec.distributed.embedding_types import (
 )
 from torchrec.distributed.types import ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import PoolingType
-from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
+from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvemb.bag_lookup import BagTable, KVBagLookup
 from torchrec_kvemb.optimizer import OPTIMIZER_KEYS, FusedOptimConfig
 from torchrec_kvemb.options import KVTableOptions
+from torchrec_kvemb.sharding.fused_optimizer import KVFusedOptimizer
 from torchrec_kvemb.table import KVTable
 
 
@@ -111,47 +112,6 @@ class KVTableSpecs:
         )
 
 
-class KVFusedOptimizer(FusedOptimizer):
-    """TorchRec's view of the optimizer fused into a ``KVEmbeddingBag``'s backward.
-
-    ``step`` and ``zero_grad`` do nothing (rows update in backward). One param
-    group, which the tables read their learning rate from
-    (``KVTable.use_param_group``), so ``param_groups[0]["lr"] = x`` changes the
-    next update. ``params`` maps
-    ``<table>.weight`` to the local shard's value rows; ``state`` holds their
-    optimizer state tensors (``momentum1``, or ``exp_avg`` / ``exp_avg_sq``).
-    Both are this rank's local buffers (``capacity`` rows, not ids).
-
-    Example::
-
-        for group in model.fused_optimizer.param_groups:
-            group["lr"] = 0.01
-    """
-
-    def __init__(self, tables: Sequence[KVTable]) -> None:
-        params = {f"{t.name}.weight": t.weights for t in tables}
-        state = {t.weights: t.optim.split_state(t.state, t.dim) for t in tables if t.state_dim}
-        lr = tables[0].learning_rate if tables else 0.0
-        super().__init__(params, state, [{"params": list(params.values()), "lr": lr}])
-        for table in tables:
-            table.use_param_group(self.param_groups[0])
-
-    @property
-    def learning_rate(self) -> float:
-        """``param_groups[0]["lr"]``: the learning rate of the next update."""
-        return float(self.param_groups[0]["lr"])
-
-    @learning_rate.setter
-    def learning_rate(self, value: float) -> None:
-        self.param_groups[0]["lr"] = float(value)
-
-    def step(self, closure: Any = None) -> None:
-        """Nothing to do: the KV rows were updated inside backward."""
-
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        """Nothing to do: KV tables never hold a ``.grad``."""
-
-
 class KVEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
     """This rank's KV tables of one grouped config: the ``customized_kernel`` module.
 
@@ -162,7 +122,8 @@ class KVEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
 
     ``pool_by_sum``: row-wise sharding sends MEAN pooling's ``1 / bag length``
     with each id as its per-sample weight (a bag is split over ranks), so every
-    table pools by weighted sum here.
+    table pools by weighted sum here. ``group`` / ``row_wise``: how the tables are
+    sharded, for the fused optimizer's state_dict (None: plain tensors).
 
     The module has no parameters or buffers: DDP and ``state_dict`` see nothing.
 
@@ -174,7 +135,13 @@ class KVEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
         pooled = kernel(kjt)  # [kjt.stride(), 8 * features of "t"]
     """
 
-    def __init__(self, config: GroupedEmbeddingConfig, lookup: KVBagLookup) -> None:
+    def __init__(
+        self,
+        config: GroupedEmbeddingConfig,
+        lookup: KVBagLookup,
+        group: dist.ProcessGroup | None = None,
+        row_wise: bool = False,
+    ) -> None:
         super().__init__()
         names = list(lookup.tables())
         if names != config.table_names():
@@ -185,7 +152,7 @@ class KVEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
         self._config = config
         self._lookup = lookup
         self.tables = list(lookup.tables().values())
-        self._optim = KVFusedOptimizer(self.tables)
+        self._optim = KVFusedOptimizer(self.tables, group, row_wise)
 
     @property
     def config(self) -> GroupedEmbeddingConfig:
@@ -255,10 +222,9 @@ class KVGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
     ) -> BaseEmbedding:
         if config.compute_kernel != EmbeddingComputeKernel.CUSTOMIZED_KERNEL:
             return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
-        lookup = self._kv_specs.bag_lookup(
-            config, device, self._kv_num_shards, pool_by_sum=sharding_type == ShardingType.ROW_WISE
-        )
-        return KVEmbeddingBag(config, lookup)
+        row_wise = sharding_type == ShardingType.ROW_WISE
+        lookup = self._kv_specs.bag_lookup(config, device, self._kv_num_shards, row_wise)
+        return KVEmbeddingBag(config, lookup, group=pg, row_wise=row_wise)
 
     def kv_tables(self) -> dict[str, KVTable]:
         """This rank's KV table shards, by table name."""

@@ -33,7 +33,6 @@ from torchrec.distributed.types import (
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from torchrec_kvemb.checkpoint.state import register_sharded_hooks
 from torchrec_kvemb.ebc import KVEmbeddingBagCollection
 from torchrec_kvemb.sharding.kv_embedding import (
     KVFusedOptimizer,
@@ -43,6 +42,8 @@ from torchrec_kvemb.sharding.kv_embedding import (
 from torchrec_kvemb.sharding.planner import KV_COMPUTE_KERNEL
 from torchrec_kvemb.sharding.rw import KVRwPooledEmbeddingSharding
 from torchrec_kvemb.sharding.tw import KVTwPooledEmbeddingSharding
+from torchrec_kvemb.state_dict.hooks import register_sharded_hooks
+from torchrec_kvemb.state_dict.layout import TableLayout, sharded_layouts
 from torchrec_kvemb.table import KVTable
 
 #: Prefix of the ``sharding_type_to_sharding_infos`` keys of KV groups. The keys
@@ -192,6 +193,19 @@ class ShardedKVEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 found.append(lookup)
         return found
 
+    def kv_layouts(self) -> list[TableLayout]:
+        """Every KV table of the collection as this rank sees it: its shard here (if
+        any) and the routing buckets this rank owns (state_dict and checkpoints)."""
+        return sharded_layouts(
+            self._embedding_bag_configs,
+            self._kv_specs.options,
+            {name: p.sharding_type for name, p in self.module_sharding_plan.items()},
+            self.kv_tables(),
+            self.kv_fused_optimizers(),
+            self._env.rank,
+            self._env.world_size,
+        )
+
     def metrics(self) -> dict[str, dict[str, float]]:
         """``KVTable.metrics()`` of this rank's shards, by table name."""
         return {name: table.metrics() for name, table in self.kv_tables().items()}
@@ -257,7 +271,7 @@ class ShardedKVEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         """The stock state_dict entries, plus the KV tables' (docs/checkpoint-format.md)."""
         super()._initialize_torch_state(skip_registering)
         if not skip_registering:
-            register_sharded_hooks(self)
+            register_sharded_hooks(self, self._env.process_group)
 
     def update_shards(
         self,

@@ -1,0 +1,216 @@
+"""The package's structure: every module imports on its own, no module imports a
+private name of another, and the import graph has no cycle.
+
+The graph is the one Python follows at import time: an edge for every
+``import`` / ``from ... import`` of the package (module level and inside
+functions), to the module imported (``from pkg import submodule`` goes to the
+submodule), plus one to each package whose ``__init__`` that import runs (for an
+importer outside that package). Cycles are reported as a path of modules.
+"""
+
+import ast
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "torchrec_kvemb"
+#: Source folders of the package: ``kernels/`` installs as ``torchrec_kvemb.kernels``.
+SOURCES = {PACKAGE: ROOT / "torchrec_kvemb", f"{PACKAGE}.kernels": ROOT / "kernels"}
+#: Cycles between sub-packages that are known, outside the checkpoint and state_dict
+#: packages: ops/dispatch.py imports the kernels (inside functions, so that Triton
+#: loads only when used) and the kernels import ops/contracts.py.
+KNOWN_PACKAGE_CYCLES = [["torchrec_kvemb.kernels", "torchrec_kvemb.ops"]]
+
+
+def package_modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its ``__init__``)."""
+    modules = {}
+    for prefix, folder in SOURCES.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join([prefix, *parts])] = path
+    return modules
+
+
+MODULES = package_modules()
+PACKAGES = {name for name, path in MODULES.items() if path.name == "__init__.py"}
+
+
+def imports_of(name: str) -> list[tuple[str, str | None, int]]:
+    """``(module imported, name imported from it or None, line)`` for every import of
+    the package in module ``name`` (module level and inside functions)."""
+    path = MODULES[name]
+    here = name if name in PACKAGES else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, None, node.lineno) for a in node.names if _ours(a.name)]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here.split(".")[: len(here.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if _ours(source):
+                out += [(source, a.name, node.lineno) for a in node.names]
+    return out
+
+
+def _ours(module: str) -> bool:
+    return module == PACKAGE or module.startswith(PACKAGE + ".")
+
+
+def _existing(module: str) -> str:
+    while module not in MODULES:
+        module = module.rpartition(".")[0]
+    return module
+
+
+def import_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {name: set() for name in MODULES}
+    for name in MODULES:
+        for source, imported, _ in imports_of(name):
+            target = f"{source}.{imported}" if imported else source
+            target = target if target in MODULES else _existing(source)
+            parts = target.split(".")
+            # Importing a.b.c runs a.b's __init__ (a is the root, already running).
+            parents = [".".join(parts[:i]) for i in range(2, len(parts))]
+            for node in [target, *parents]:
+                if node != name and not name.startswith(node + "."):
+                    graph[name].add(node)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node, each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for succ in sorted(graph[node]):
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def cycle_path(graph: dict[str, set[str]], component: list[str]) -> str:
+    """One cycle through a component, as ``a -> b -> ... -> a``."""
+    members = set(component)
+    start = component[0]
+    path, seen = [start], {start}
+    node = start
+    while True:
+        succ = sorted(s for s in graph[node] if s in members)
+        if start in succ and len(path) > 1:
+            return " -> ".join([*path, start])
+        nxt = next((s for s in succ if s not in seen), None)
+        if nxt is None:
+            return " -> ".join([*path, start])
+        path.append(nxt)
+        seen.add(nxt)
+        node = nxt
+
+
+def sub_package(module: str) -> str:
+    parts = module.split(".")
+    top = ".".join(parts[:2])
+    return top if top in PACKAGES and top != PACKAGE else module
+
+
+# ------------------------------------------------------------------ tests
+def _import_alone(module: str) -> tuple[str, int, str]:
+    job = subprocess.run(
+        [sys.executable, "-c", f"import {module}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    return module, job.returncode, job.stderr[-3000:]
+
+
+def test_every_module_imports_in_a_fresh_interpreter():
+    """One interpreter per module (run side by side: each pays torch's import)."""
+    with ThreadPoolExecutor(max(2, os.cpu_count() or 1)) as pool:
+        results = list(pool.map(_import_alone, sorted(MODULES)))
+    failed = [f"{module} (exit {rc}):\n{err}" for module, rc, err in results if rc != 0]
+    assert not failed, "\n\n".join(failed)
+
+
+def test_no_module_imports_a_private_name_of_another():
+    found = [
+        f"{name}:{line} imports {imported} from {source}"
+        for name in MODULES
+        for source, imported, line in imports_of(name)
+        if imported is not None
+        and imported.startswith("_")
+        and not imported.startswith("__")
+        and _existing(source) != name
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_the_module_import_graph_has_no_cycle():
+    graph = import_graph()
+    found = [cycle_path(graph, c) for c in cycles(graph)]
+    assert not found, "import cycles:\n" + "\n".join(found)
+
+
+def test_sub_packages_depend_on_each_other_only_in_known_cycles():
+    """``state_dict`` sits below the modules it describes (``ebc``, ``sharding``) and
+    ``checkpoint`` above them; a new cycle between sub-packages fails, a known one
+    that is gone must leave the list."""
+    graph: dict[str, set[str]] = {}
+    for name, targets in import_graph().items():
+        graph.setdefault(sub_package(name), set()).update(
+            sub_package(t) for t in targets if sub_package(t) != sub_package(name)
+        )
+    for node in list(graph.values()):
+        for target in node:
+            graph.setdefault(target, set())
+    found = cycles(graph)
+    report = "\n".join(cycle_path(graph, c) for c in found)
+    assert found == KNOWN_PACKAGE_CYCLES, f"sub-package cycles:\n{report}"
+
+
+def test_the_state_dict_package_sits_below_the_modules_it_describes():
+    graph = import_graph()
+    below = [name for name in MODULES if name.startswith(f"{PACKAGE}.state_dict")]
+    above = (f"{PACKAGE}.ebc", f"{PACKAGE}.sharding", f"{PACKAGE}.checkpoint")
+    reach: set[str] = set()
+    todo = list(below)
+    while todo:
+        for target in graph[todo.pop()]:
+            if target not in reach:
+                reach.add(target)
+                todo.append(target)
+    wrong = sorted(t for t in reach if t.startswith(above))
+    assert not wrong, f"torchrec_kvemb.state_dict reaches {wrong}"

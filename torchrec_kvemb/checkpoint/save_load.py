@@ -1,0 +1,349 @@
+"""``save(model, path)`` / ``load(model, path)``: checkpoints on DCP, at any world size.
+
+One checkpoint holds the whole model's ``state_dict()`` (KV tables as
+:mod:`torchrec_kvemb.state_dict` describes them, stock tables, dense parameters
+and buffers), the fused optimizer state of stock tables, the learning rate of
+each KV table and, optionally, a dense optimizer (:mod:`.optimizer_state`).
+``load`` reads, per KV table, the saved rows of the routing buckets a rank owns
+(one contiguous range: rows are sorted by bucket) and replaces the table's
+content; every check happens on every rank before anything changes.
+
+Example::
+
+    save(model, "/ckpt/step_1000", optimizer=dense_optimizer)
+    load(model, "/ckpt/step_1000", optimizer=dense_optimizer)   # any world size
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from torchrec_kvemb.checkpoint import collectives as comm
+from torchrec_kvemb.checkpoint.marker import check_target, publish, read_marker
+from torchrec_kvemb.checkpoint.optimizer_state import (
+    FUSED,
+    OPTIM,
+    fused_state,
+    learning_rates,
+    lr_key,
+    optimizer_state,
+    optimizer_to_load,
+    restore_learning_rates,
+    saved_learning_rates,
+)
+from torchrec_kvemb.checkpoint.reader import ParallelFileSystemReader, RowRangePlanner
+from torchrec_kvemb.state_dict import (
+    ADMISSION_KEYS,
+    ROW_KEYS,
+    STATE_NAMES,
+    CheckpointError,
+    KVTableSlot,
+    TableRows,
+    check_fits,
+    check_table_rows,
+    describe_state_dict,
+    kv_table_slots,
+    restore_table,
+)
+
+MODEL = "model"
+#: What to do with a stock table's rows in a checkpoint of a KV model.
+MIGRATE_HINT = (
+    "to load a stock table's rows into a KV table use "
+    "torchrec_kvemb.checkpoint.migrate.load_dense_into_kv(model, path)"
+)
+
+
+# ------------------------------------------------------------------- save
+def save(
+    model: nn.Module,
+    path: str | os.PathLike,
+    optimizer: torch.optim.Optimizer | None = None,
+    thread_count: int = 4,
+) -> None:
+    """Write ``model`` (and ``optimizer``'s state, keyed by parameter name) to the
+    checkpoint directory ``path``, atomically; an older checkpoint at ``path`` is
+    replaced. Collective when ``torch.distributed`` is initialized.
+
+    ``thread_count``: DCP writer threads per rank, each writing its own file
+    (``load`` reads them in parallel too).
+    """
+    path = os.fspath(path)
+    group = comm.process_group()
+    check_target(path)
+    slots = kv_table_slots(model)
+    tables = _table_configs(slots, group)
+    state: dict[str, Any] = {MODEL: model.state_dict()}
+    fused = fused_state(model, slots)
+    rates = learning_rates(slots)
+    if rates:
+        fused = {**fused, "param_groups": rates}
+    if fused:
+        state[FUSED] = fused
+    if optimizer is not None:
+        state[OPTIM] = optimizer_state(model, optimizer)
+    token = comm.broadcast(uuid.uuid4().hex if comm.rank(group) == 0 else None, group)
+    tmp = f"{path}.tmp-{token}"
+    with comm.single_process_ok():
+        dcp.save(
+            state,
+            storage_writer=dcp.FileSystemWriter(tmp, thread_count=thread_count),
+            process_group=group,
+            no_dist=group is None,
+        )
+    comm.barrier(group)
+    error = None
+    if comm.rank(group) == 0:
+        try:
+            publish(tmp, path, token, tables, comm.world_size(group))
+        except Exception as e:
+            error = e
+    comm.agree(error, group)  # every rank returns once the marker is written, or raises
+
+
+def _table_configs(slots: Mapping[str, KVTableSlot], group) -> dict[str, dict[str, Any]]:
+    """Every KV table's config (gathered: a table-wise table is known on its rank)."""
+    local = {
+        prefix.rstrip("."): {
+            "name": s.layout.name,
+            "dim": s.layout.dim,
+            "optimizer": s.optimizer,
+            "state": list(s.state_shapes),
+            "total_num_buckets": s.layout.num_buckets,
+            "sharding": s.layout.sharding,
+        }
+        for prefix, s in slots.items()
+        if s.optimizer is not None
+    }
+    merged: dict[str, dict[str, Any]] = {}
+    for part in comm.gather(local, group):
+        merged.update(part)
+    return merged
+
+
+# ------------------------------------------------------------------- load
+def load(
+    model: nn.Module,
+    path: str | os.PathLike,
+    optimizer: torch.optim.Optimizer | None = None,
+    strict: bool = True,
+) -> None:
+    """Load the checkpoint at ``path`` into ``model`` (and ``optimizer``), at any
+    world size and KV sharding. Collective when ``torch.distributed`` is
+    initialized. Raises :class:`CheckpointError` (nothing changed) for an
+    incomplete checkpoint, KV tables of another config, or (``strict``) model
+    entries the checkpoint lacks; checkpoint entries the model lacks are ignored.
+    """
+    path = os.fspath(path)
+    group = comm.process_group()
+    marker = read_marker(path)
+    reader = ParallelFileSystemReader(path)
+    metadata = reader.read_metadata()
+    saved = metadata.state_dict_metadata
+    slots, current = describe_state_dict(model)
+    fused = fused_state(model, slots)
+
+    # Checks that need no data; any rank's error stops every rank.
+    error = None
+    try:
+        _check_kv_config(slots, marker["tables"], saved)
+        if optimizer is not None and not any(k.startswith(OPTIM + ".") for k in saved):
+            raise CheckpointError(f"checkpoint {path!r} holds no optimizer state")
+        if strict:
+            missing = [k for k in current if f"{MODEL}.{k}" not in saved]
+            missing += [k for k in flatten_state_dict({FUSED: fused})[0] if k not in saved]
+            if missing:
+                raise CheckpointError(
+                    f"checkpoint {path!r} lacks entries of the model: {sorted(missing)[:8]}"
+                    f"{' ...' if len(missing) > 8 else ''}"
+                )
+    except Exception as e:
+        error = e
+    comm.agree(error, group)
+
+    # 1. Rows per routing bucket of the KV tables this rank stores (small).
+    kv_reads = {p: s for p, s in slots.items() if s.layout.owned is not None}
+    buckets = {
+        p: torch.empty(saved[f"{MODEL}.{p}bucket"].size, dtype=torch.int64) for p in kv_reads
+    }
+    with comm.single_process_ok():
+        dcp.load(
+            {f"{MODEL}.{p}bucket": t for p, t in buckets.items()},
+            storage_reader=reader,
+            planner=RowRangePlanner({}),
+            process_group=group,
+            no_dist=group is None,
+        )
+
+    # 2. Everything: the bucket ranges this rank owns, stock entries into copies.
+    targets: dict[str, Any] = {}
+    row_offsets: dict[str, int] = {}
+    for prefix, slot in kv_reads.items():
+        start, stop = _row_range(slot, buckets[prefix])
+        for key in _saved_row_keys(prefix, saved):
+            md = saved[key]
+            targets[key] = torch.empty((stop - start, *md.size[1:]), dtype=md.properties.dtype)
+            row_offsets[key] = start
+        for suffix in ("step", *(ADMISSION_KEYS if slot.layout.admission else ())):
+            key = f"{MODEL}.{prefix}{suffix}"
+            if key in saved:
+                targets[key] = torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
+    stock_keys = [f"{MODEL}.{k}" for k in current if f"{MODEL}.{k}" in saved]
+    targets.update({key: _copy(current[key[len(MODEL) + 1 :]]) for key in stock_keys})
+    fused_live, _ = flatten_state_dict({FUSED: fused})
+    fused_keys = [k for k in fused_live if k in saved]
+    targets.update({key: _copy(fused_live[key]) for key in fused_keys})
+    # KV learning rates: absent from checkpoints written before they were saved.
+    lr_keys = {p: lr_key(p) for p, slot in slots.items() if slot.layout.table is not None}
+    lr_keys = {p: key for p, key in lr_keys.items() if key in saved}
+    optim_keys = [k for k in saved if k.startswith(OPTIM + ".")] if optimizer is not None else []
+    for key in [*lr_keys.values(), *optim_keys]:
+        md = saved[key]
+        targets[key] = (
+            torch.empty(md.size, dtype=md.properties.dtype)
+            if isinstance(md, TensorStorageMetadata)
+            else None
+        )
+    with comm.single_process_ok():
+        dcp.load(
+            targets,
+            storage_reader=reader,
+            planner=RowRangePlanner(row_offsets),
+            process_group=group,
+            no_dist=group is None,
+        )
+
+    # 3. Check what this rank keeps, agree, then change the model.
+    pending: list[tuple[KVTableSlot, TableRows]] = []
+    optim_state = None
+    rates: dict[str, float] = {}
+    error = None
+    try:
+        for prefix, slot in kv_reads.items():
+            rows = _rows(prefix, slot, targets)
+            layout = slot.layout
+            check_table_rows(layout.name, layout.dim, slot.state_shapes, rows, layout.num_buckets)
+            check_fits(slot.layout.table, rows)
+            pending.append((slot, rows))
+        rates = saved_learning_rates(slots, {p: targets[key] for p, key in lr_keys.items()})
+        if optimizer is not None:
+            optim_state = optimizer_to_load(
+                model, optimizer, {k: targets[k] for k in optim_keys}, metadata
+            )
+    except Exception as e:
+        error = e
+    comm.agree(error, group)
+    model.load_state_dict({key[len(MODEL) + 1 :]: targets[key] for key in stock_keys}, strict=False)
+    for slot, rows in pending:
+        restore_table(slot.layout.table, rows)
+    for key in fused_keys:
+        _copy_into(fused_live[key], targets[key])
+    restore_learning_rates(slots, rates)
+    if optimizer is not None:
+        optimizer.load_state_dict(optim_state)
+
+
+def _row_range(slot: KVTableSlot, saved_buckets: torch.Tensor) -> tuple[int, int]:
+    """The saved rows of the buckets this rank owns: one contiguous range when the
+    bucket count is the model's, else every row (filtered after reading)."""
+    layout = slot.layout
+    total = int(saved_buckets.sum())
+    if saved_buckets.numel() != layout.num_buckets:
+        return 0, total
+    lo, hi = layout.owned
+    cumulative = torch.cat([torch.zeros(1, dtype=torch.int64), saved_buckets.cumsum(0)])
+    return int(cumulative[lo]), int(cumulative[hi])
+
+
+def _saved_row_keys(prefix: str, saved: Mapping[str, Any]) -> list[str]:
+    names = (*ROW_KEYS, *STATE_NAMES)
+    return [f"{MODEL}.{prefix}{n}" for n in names if f"{MODEL}.{prefix}{n}" in saved]
+
+
+def _rows(prefix: str, slot: KVTableSlot, targets: dict) -> TableRows:
+    """The rows read for one table, restricted to the ids this rank owns."""
+
+    def get(suffix: str) -> torch.Tensor | None:
+        return targets.get(f"{MODEL}.{prefix}{suffix}")
+
+    step = get("step")
+    admission = None
+    if slot.layout.admission and all(get(k) is not None for k in ADMISSION_KEYS):
+        ids, counts, scores = (get(k) for k in ADMISSION_KEYS)
+        keep = slot.layout.owns(ids)
+        admission = (ids[keep], counts[keep], scores[keep])
+    rows = TableRows(
+        ids=get("weight_id"),
+        weights=get("weight"),
+        scores=get("weight_score"),
+        state={n: get(n) for n in STATE_NAMES if get(n) is not None},
+        step=None if step is None else (int(step[0]), int(step[1])),
+        admission=admission,
+    )
+    return rows.select(slot.layout.owns(rows.ids))
+
+
+def _check_kv_config(
+    slots: Mapping[str, KVTableSlot], tables: Mapping[str, Any], saved: Mapping[str, Any]
+) -> None:
+    """The model's KV tables against the marker's and the metadata's shapes."""
+    for prefix, slot in slots.items():
+        layout = slot.layout
+        key = prefix.rstrip(".")
+        where = f"table {layout.name!r} ({key})"
+        weight = f"{MODEL}.{prefix}weight"
+        if key not in tables and weight in saved:
+            raise CheckpointError(
+                f"{where}: the checkpoint holds a stock table's weight there (no weight_id); "
+                f"{MIGRATE_HINT}"
+            )
+        if key not in tables or weight not in saved:
+            raise CheckpointError(f"{where} is not in the checkpoint")
+        want = tables[key]
+        if want["dim"] != layout.dim:
+            raise CheckpointError(
+                f"{where}: the checkpoint's rows have dim {want['dim']}, the model's "
+                f"table has dim {layout.dim}"
+            )
+        size = saved[weight].size
+        if len(size) != 2 or size[1] != layout.dim:
+            raise CheckpointError(f"{where}: the checkpoint's weight has shape {tuple(size)}")
+        if slot.optimizer is not None and want["optimizer"] != slot.optimizer:
+            raise CheckpointError(
+                f"{where}: saved with the {want['optimizer']} optimizer (state "
+                f"{want['state'] or 'none'}), the model's table uses {slot.optimizer} "
+                f"(state {list(slot.state_shapes) or 'none'})"
+            )
+
+
+# ---------------------------------------------------------------- tensors
+def _copy(value: Any) -> Any:
+    """A copy to load into, so that the live value changes only after every check."""
+    if isinstance(value, ShardedTensor):
+        shards = [Shard(s.tensor.detach().clone(), s.metadata) for s in value.local_shards()]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, copy.deepcopy(value.metadata()), process_group=value._process_group
+        )
+    if isinstance(value, (torch.Tensor, DTensor)):
+        return value.detach().clone()
+    return copy.deepcopy(value)
+
+
+def _copy_into(live: Any, loaded: Any) -> None:
+    if isinstance(live, ShardedTensor):
+        for a, b in zip(live.local_shards(), loaded.local_shards(), strict=True):
+            a.tensor.detach().copy_(b.tensor)
+    elif isinstance(live, torch.Tensor):
+        live.detach().copy_(loaded)

@@ -1,0 +1,175 @@
+"""The ``state_dict`` / ``load_state_dict`` hooks of KV modules.
+
+A KV module registers them in its constructor; they put each KV table's entries
+(:mod:`torchrec_kvemb.state_dict`) under ``<prefix>embedding_bags.<table>.`` and
+take them back, replacing the tables' content. The module describes its tables
+with ``kv_layouts()`` (see :class:`~torchrec_kvemb.state_dict.layout.TableLayout`).
+
+Example::
+
+    class MyKVModule(nn.Module):
+        def __init__(self, ...):
+            ...
+            register_unsharded_hooks(self)
+
+        def kv_layouts(self) -> list[TableLayout]:
+            return [TableLayout.unsharded(t) for t in self._tables.values()]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+from torchrec_kvemb.state_dict.checks import CheckpointError, check_fits, check_table_rows
+from torchrec_kvemb.state_dict.entries import (
+    is_distributed,
+    is_placeholder,
+    local_rows,
+    rows_from_entries,
+)
+from torchrec_kvemb.state_dict.layout import KVTableDescription, KVTableSlot, TableLayout
+from torchrec_kvemb.state_dict.rows import (
+    KNOWN_KEYS,
+    ROW_KEYS,
+    TableRows,
+    restore_table,
+    table_state,
+)
+from torchrec_kvemb.state_dict.sharded import sharded_entries
+
+#: What to do with a state_dict of another world size or sharding.
+RESHARD_HINT = (
+    "to load a checkpoint at another world size or sharding use "
+    "torchrec_kvemb.checkpoint.load (or give load_state_dict whole plain tensors)"
+)
+
+
+def register_unsharded_hooks(module: nn.Module) -> None:
+    """state_dict / load_state_dict hooks of a module holding whole KV tables
+    (``KVEmbeddingBagCollection``): plain tensors."""
+    _register(module, False, None)
+
+
+def register_sharded_hooks(module: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """state_dict / load_state_dict hooks of a sharded KV module
+    (``ShardedKVEmbeddingBagCollection``): ShardedTensors over ``group``, and a
+    ``state_dict()`` that is a collective over it."""
+    _register(module, True, group)
+
+
+def _register(module: nn.Module, sharded: bool, group: dist.ProcessGroup | None) -> None:
+    # The hooks get the module as an argument: closing over it would make a
+    # reference cycle that keeps a model (and its process group) alive until gc.
+    def state_dict_hook(module: nn.Module, destination: dict, prefix: str, _metadata) -> None:
+        layouts = module.kv_layouts()
+        if isinstance(destination, KVTableDescription):
+            for layout in layouts:
+                key = f"{prefix}embedding_bags.{layout.name}.weight"
+                destination[key] = KVTableSlot.of(layout)
+            return
+        if not sharded:
+            for layout in layouts:
+                for key, value in table_state(layout.table).items():
+                    destination[f"{prefix}embedding_bags.{layout.name}.{key}"] = value
+            return
+        for name, entries in sharded_entries(layouts, group).items():
+            for key, value in entries.items():
+                destination[f"{prefix}embedding_bags.{name}.{key}"] = value
+
+    def load_hook(
+        module: nn.Module,
+        state_dict: dict,
+        prefix: str,
+        _metadata,
+        strict: bool,
+        missing_keys: list[str],
+        _unexpected: list[str],
+        _errors: list[str],
+    ) -> None:
+        pending = []
+        for layout in module.kv_layouts():
+            base = f"{prefix}embedding_bags.{layout.name}."
+            entries = {
+                key[len(base) :]: state_dict.pop(key)
+                for key in [k for k in state_dict if k.startswith(base)]
+                if key[len(base) :] in KNOWN_KEYS
+            }
+            if "weight_id" not in entries:
+                weight = entries.get("weight")
+                if weight is not None and not is_placeholder(weight):
+                    raise CheckpointError(
+                        f"table {layout.name!r}: the state_dict holds a weight but no "
+                        "weight_id, as a stock table would; to load a stock table's rows use "
+                        "torchrec_kvemb.checkpoint.migrate.load_dense_into_kv"
+                    )
+                if weight is None and strict:
+                    missing_keys.extend(base + k for k in ROW_KEYS)
+                continue
+            rows = _owned_rows(layout, entries)
+            if rows is not None:
+                pending.append((layout.table, rows))
+        for table, rows in pending:
+            restore_table(table, rows)
+
+    module.register_state_dict_post_hook(state_dict_hook)
+    module.register_load_state_dict_pre_hook(load_hook)
+
+
+def _owned_rows(layout: TableLayout, entries: dict[str, Any]) -> TableRows | None:
+    """The checked rows this rank keeps of one table's entries (None: it holds no
+    shard of the table). Whole tensors give every row, of which a sharded rank
+    keeps the ids it owns; a shard (ShardedTensor, sharded DTensor) must be this
+    rank's shard of this layout: one of another layout is refused."""
+    rows = rows_from_entries(layout.name, entries)
+    shard = is_distributed(entries["weight_id"])
+    table = layout.table
+    if table is None:
+        if shard and rows.ids.numel():
+            _refuse_shard(layout, f"holds {rows.ids.numel()} rows of a table it does not hold")
+        return None
+    if table.device.type == "meta":
+        check_fits(table, rows)  # a table on meta takes no rows; nothing to check then
+        return None
+    state_shapes = table.optim.state_shapes(layout.dim)
+    check_table_rows(layout.name, layout.dim, state_shapes, rows, layout.num_buckets)
+    if shard:
+        _check_shard(layout, rows, entries.get("bucket"))
+    rows = rows.select(layout.owns(rows.ids))
+    if rows.admission is not None:
+        keep = layout.owns(rows.admission[0])
+        rows.admission = tuple(t[keep] for t in rows.admission)
+    check_fits(table, rows)
+    return rows
+
+
+def _check_shard(layout: TableLayout, rows: TableRows, bucket: Any) -> None:
+    """A shard given to this rank holds ids of the buckets it owns only and, where
+    ``bucket`` is given, exactly its bucket range (its count and row total)."""
+    outside = int((~layout.owns(rows.ids)).sum())
+    if outside:
+        _refuse_shard(layout, f"holds {outside} ids of routing buckets this rank does not own")
+    if bucket is None:
+        return
+    lo, hi = layout.owned
+    counts = local_rows(layout.name, "bucket", bucket)
+    start = lo
+    if isinstance(bucket, ShardedTensor) and counts.numel():
+        start = min(s.metadata.shard_offsets[0] for s in bucket.local_shards())
+    if (start, counts.numel(), int(counts.sum())) != (lo, hi - lo, rows.ids.numel()):
+        _refuse_shard(
+            layout,
+            f"covers routing buckets [{start}, {start + counts.numel()}) with "
+            f"{int(counts.sum())} rows, this rank owns buckets [{lo}, {hi}) and was given "
+            f"{rows.ids.numel()} rows",
+        )
+
+
+def _refuse_shard(layout: TableLayout, what: str) -> None:
+    raise CheckpointError(
+        f"table {layout.name!r}: this rank's shard of the state_dict {what} (a state_dict "
+        f"of another world size or sharding); {RESHARD_HINT}"
+    )

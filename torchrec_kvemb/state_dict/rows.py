@@ -1,0 +1,146 @@
+"""A KV table's content: its state_dict entries, and rows that replace it.
+
+:func:`table_state` gives a table's entries (key suffixes after
+``embedding_bags.<table>.``, rows sorted by routing bucket, then id);
+:class:`TableRows` is a content to load (ids, rows, scores, optimizer state,
+counters, admission entries); :func:`restore_table` replaces a table's content
+by checked rows.
+
+Example::
+
+    entries = table_state(table)    # {"weight": ..., "weight_id": ..., ...}
+    restore_table(other_table, TableRows(entries["weight_id"], entries["weight"], None))
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from torchrec_kvemb.ops.hashing import route_bucket
+from torchrec_kvemb.table import KVTable
+
+#: Optimizer state names of every supported optimizer (``FusedOptimConfig.state_names``).
+STATE_NAMES = ("momentum1", "exp_avg", "exp_avg_sq")
+ROW_KEYS = ("weight", "weight_id", "weight_score")
+ADMISSION_KEYS = ("admission_id", "admission_count", "admission_score")
+KNOWN_KEYS = frozenset(ROW_KEYS + STATE_NAMES + ADMISSION_KEYS + ("bucket", "step"))
+
+
+@dataclass
+class TableRows:
+    """A table's content: ids with their rows, scores and optimizer state.
+
+    Example::
+
+        rows = TableRows(ids=torch.tensor([3, 7]), weights=torch.zeros(2, 8), scores=None)
+        rows.select(rows.ids > 5)   # the row of id 7
+    """
+
+    ids: torch.Tensor
+    weights: torch.Tensor
+    #: Eviction scores, None to keep those the insert gives.
+    scores: torch.Tensor | None
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: (training lookups, optimizer steps), None to leave the table's counters.
+    step: tuple[int, int] | None = None
+    #: (ids, sightings, counter scores) waiting for admission, None when absent.
+    admission: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def select(self, keep: torch.Tensor) -> TableRows:
+        """The rows where ``keep`` is True (admission entries unchanged)."""
+        if bool(keep.all()):
+            return self
+        return TableRows(
+            self.ids[keep],
+            self.weights[keep],
+            None if self.scores is None else self.scores[keep],
+            {k: v[keep] for k, v in self.state.items()},
+            self.step,
+            self.admission,
+        )
+
+
+def bucket_order(ids: torch.Tensor, num_buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order, buckets)``: the permutation that sorts id-sorted ``ids`` by routing
+    bucket (then id), and the sorted bucket numbers."""
+    buckets, order = torch.sort(route_bucket(ids, num_buckets), stable=True)
+    return order, buckets
+
+
+def table_state(table: KVTable) -> dict[str, torch.Tensor]:
+    """A table's state_dict entries (key suffixes after ``embedding_bags.<table>.``),
+    rows sorted by routing bucket, then id. A table on the ``meta`` device gives
+    empty entries of the right dims and dtypes, on ``meta``."""
+    num_buckets = table.options.total_num_buckets
+    data = table_rows(table)
+    out = {"weight": data["weights"], "weight_id": data["ids"], "weight_score": data["scores"]}
+    for name in table.optim.state_names():
+        out[name] = data[name]
+    if table.device.type == "meta":
+        out["bucket"] = torch.zeros(num_buckets, dtype=torch.int64, device=table.device)
+    else:
+        ids = data["ids"]
+        out["bucket"] = torch.bincount(route_bucket(ids, num_buckets), minlength=num_buckets)
+    out["step"] = torch.tensor([table.step, table.optim_step], dtype=torch.int64)
+    if table.options.admission_threshold > 1:
+        out.update(zip(ADMISSION_KEYS, admission_state(table), strict=True))
+    return out
+
+
+def table_rows(table: KVTable) -> dict[str, torch.Tensor]:
+    """``table.export(route_buckets=G)``: ids, weights, scores and optimizer state in
+    checkpoint order (routing bucket, then id). A table on the ``meta`` device holds
+    no ids (no kernel there can list them): empty tensors of its dims, on ``meta``."""
+    if table.device.type != "meta":
+        return table.export(route_buckets=table.options.total_num_buckets)
+    meta = table.device
+    out = {
+        "ids": torch.empty(0, dtype=torch.int64, device=meta),
+        "weights": torch.empty(0, table.dim, dtype=torch.float32, device=meta),
+        "scores": torch.empty(0, dtype=torch.int64, device=meta),
+    }
+    for name, shape in table.optim.state_shapes(table.dim).items():
+        out[name] = torch.empty(0, *shape, dtype=torch.float32, device=meta)
+    return out
+
+
+def admission_state(table: KVTable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ids, sightings, scores)`` of the ids the admission counter tracks, sorted by
+    routing bucket, then id (empty for a table without admission, or on ``meta``)."""
+    if table.device.type == "meta":
+        empty = torch.empty(0, dtype=torch.int64, device=table.device)
+        return empty, empty, empty
+    ids, counts, scores = table.admission_entries()
+    ids, by_id = torch.sort(ids)
+    order, _ = bucket_order(ids, table.options.total_num_buckets)
+    entry = by_id[order]
+    return ids[order], counts[entry], scores[entry]
+
+
+def restore_table(table: KVTable, rows: TableRows) -> int:
+    """Replace the table's content by ``rows`` (checked already); returns how many
+    rows found no room (a full index bucket), after a warning.
+
+    With an SSD tier, each index bucket keeps its rows of the highest scores in
+    memory (then smallest ids, as a fresh insert ranks them) and the others go to
+    the SSD tier; every row keeps its saved score in either tier. A table on the
+    ``meta`` device holds nothing: an empty content is a no-op (``check_fits``
+    refuses rows)."""
+    if table.device.type == "meta":
+        return 0
+    table.reserve(rows.ids.numel())  # a full disk raises here, before the table changes
+    table.clear()
+    state = table.optim.join_state(rows.state, table.dim) if rows.ids.numel() else None
+    lost = table.load_rows(rows.ids, rows.weights, state, rows.scores, rows.step)
+    if rows.admission is not None:
+        table.load_admission(*rows.admission)
+    if lost:
+        warnings.warn(
+            f"table {table.name!r}: {lost} of {rows.ids.numel()} rows found no room "
+            "(their index buckets are full) and were dropped",
+            stacklevel=2,
+        )
+    return lost
