@@ -1,7 +1,7 @@
 """Two ranks: the optimizer state of sharded KV tables by id, and the plain DCP recipe.
 The job of ``tests/checkpoint/test_plain_dcp.py``::
 
-    torchrun --nproc_per_node 2 tests/checkpoint/plain_dcp_worker.py DIR SHARDING
+    torchrun --nproc_per_node 2 -m tests.checkpoint.plain_dcp_worker DIR SHARDING
 
 For KV tables sharded ``SHARDING`` (``row_wise`` or ``table_wise``) beside a stock
 table-wise table (the models of ``ckpt_worker.py``), after ``SAVE_AT`` steps:
@@ -21,15 +21,10 @@ Rank 0 writes ``DIR/plain_dcp_<SHARDING>.json``; the test asserts.
 from __future__ import annotations
 
 import copy
-import gc
-import json
-import logging
 import os
 import sys
 import traceback
-import warnings
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -39,7 +34,7 @@ from tests.checkpoint.ckpt_worker import (
     KV_TABLES,
     SAVE_AT,
     STEPS,
-    Tally,
+    TOL,
     compare_snapshots,
     dense_optimizer,
     kv_tables,
@@ -49,6 +44,7 @@ from tests.checkpoint.ckpt_worker import (
     stock_snapshot,
     train_step,
 )
+from tests.torchrun_jobs import Tally, gloo_job, write_result
 from torchrec_kvemb import checkpoint
 from torchrec_kvemb.checkpoint import CheckpointError
 
@@ -71,7 +67,7 @@ def refused(tally: Tally, name: str, call, *words: str) -> None:
 
 def job(directory: str, sharding: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    tally = Tally()
+    tally = Tally(TOL)
     model = sharded_model(sharding)
     optimizer = dense_optimizer(model)
     for step in range(SAVE_AT):
@@ -178,28 +174,18 @@ def job(directory: str, sharding: str) -> dict:
 
 
 def main() -> None:
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.WARNING)
-    torch.set_num_threads(1)
     directory, sharding = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
     out = os.path.join(directory, f"plain_dcp_{sharding}.json")
-    try:
-        result = job(directory, sharding)
-    except Exception:
-        result = {"passed": False, "error": traceback.format_exc()}
+    with gloo_job():
+        try:
+            result = job(directory, sharding)
+        except Exception:
+            if dist.get_rank() == 0:
+                write_result(out, {"passed": False, "error": traceback.format_exc()})
+            raise
         if dist.get_rank() == 0:
-            with open(out, "w") as f:
-                json.dump(result, f, indent=1, sort_keys=True)
-        raise
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1, sort_keys=True)
-    gc.collect()  # why: free the models (they hold the process group) before it goes
-    dist.barrier()
-    dist.destroy_process_group()
+            write_result(out, result)
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()

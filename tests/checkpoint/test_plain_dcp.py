@@ -6,10 +6,6 @@ DCP's default planner refuses it with its own size-mismatch error (a KV table's
 entries are as long as the table is full). One process (world size 1, and
 unsharded), and two ranks with torchrun (``plain_dcp_worker.py``)."""
 
-import json
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -21,30 +17,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 from tests.checkpoint.test_optimizer_state import kv, sharded, stock_rows, train
 from tests.checkpoint.test_state_dict import assert_same, build, snapshot
 from tests.checkpoint.test_state_dict import train as train_unsharded
+from tests.torchrun_jobs import read_result, run_job, torchrun_command
 from torchrec_kvemb import checkpoint
 
-ROOT = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).with_name("plain_dcp_worker.py")
+WORKER = "tests.checkpoint.plain_dcp_worker"
 
 
 def run_plain_dcp_job(directory: Path, sharding: str) -> dict:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(WORKER),
-        str(directory),
-        sharding,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    job = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    path = directory / f"plain_dcp_{sharding}.json"
-    if not path.exists():
-        pytest.fail(f"the job wrote no result (exit {job.returncode}):\n{job.stderr[-6000:]}")
-    result = json.loads(path.read_text())
-    print(json.dumps(result, indent=1, sort_keys=True))
+    job = run_job(torchrun_command(2, "-m", WORKER, str(directory), sharding), timeout=300)
+    result = read_result(directory / f"plain_dcp_{sharding}.json", job)
     assert job.returncode == 0, job.stderr[-6000:]
     return result
 
