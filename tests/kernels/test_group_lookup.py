@@ -218,8 +218,11 @@ def run_case(case: Case, monkeypatch: pytest.MonkeyPatch) -> KVTableGroup:
     # Evaluation: stored ids, ids never seen, ids of table -1.
     ids, table_idx, _ = batch(case, case.steps, gen)
     fresh = case.base + case.universe + torch.arange(11)
-    ids = torch.cat([ids, fresh, ids[:5]])
-    table_idx = torch.cat([table_idx, torch.arange(11) % len(case.tables), torch.full((5,), -1)])
+    foreign = ids[:5]
+    ids = torch.cat([ids, fresh, foreign])
+    table_idx = torch.cat(
+        [table_idx, torch.arange(11) % len(case.tables), torch.full_like(foreign, -1)]
+    )
     with monkeypatch.context() as m:
         m.setenv(ENV_VAR, "triton")
         got = triton_group.lookup_eval(ids, table_idx)
