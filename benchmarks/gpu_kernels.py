@@ -5,21 +5,27 @@ Three parts, in one process on one device:
 * ``copy``: the device's copy bandwidth, ``dst.copy_(src)`` over a large
   buffer, counted as bytes read + bytes written per second: the roofline every
   kernel's GB/s is compared with.
-* ``kernels``: each Triton kernel alone on one table: ``probe``, ``find`` (the
-  find-or-insert kernel on stored ids: score update, no insert), ``insert``
-  (new ids into a full table: ranking and eviction), ``pooled fwd``, ``pooled
-  bwd`` (per-row gradient reduction) and ``optimizer`` (row-wise Adagrad
-  update). Ids/s and GB/s, where GB/s counts the bytes a kernel must read and
-  write at least (``kernel_bytes``), and that figure over the copy bandwidth.
-  Side by side, FBGEMM's fused table (``SplitTableBatchedEmbeddingBagsCodegen``
-  in device memory) on the same rows: its forward against the pooled forward
-  kernel, its forward + fused backward against the three lookup kernels. Both
-  start from the same weights, and the run stops (``RuntimeError``) unless
-  their pooled rows and first update agree.
-* ``ebc``: ``KVEmbeddingBagCollection`` on the device (Triton backend: probe,
-  find-or-insert, pooling, fused row-wise Adagrad in backward) against FBGEMM's
+* ``kernels``: each Triton launcher of the grouped hot path alone, on a full
+  group of ``tables`` tables (every bucket of every table holds ``WAYS``
+  ids): ``probe`` (``group_lookup_eval_triton``), ``find+insert``
+  (``group_lookup_train_triton``: the batch's stored ids update their score,
+  one id in 8 is new and takes a row by eviction), ``pooled fwd``
+  (``group_pooled_forward_triton``) and ``fused bwd``
+  (``group_fused_backward_triton``: per-row gradient reduction and row-wise
+  Adagrad update in one launch). Ids/s and GB/s, where GB/s counts the bytes a
+  launcher must read and write at least (``kernel_bytes``), and that figure
+  over the copy bandwidth. Side by side, FBGEMM's fused tables
+  (``SplitTableBatchedEmbeddingBagsCodegen`` in device memory) on the same
+  rows: its forward against the pooled forward, its forward + fused backward
+  against pooled forward + fused backward. Both start from the same weights,
+  and the run stops (``RuntimeError``) unless their pooled rows and first
+  update agree.
+* ``ebc``: ``KVEmbeddingBagCollection`` on the device (Triton backend: the
+  same launchers, fused row-wise Adagrad in backward) against FBGEMM's
   fused tables on the same Zipf batches, train and eval steps, as
-  ``benchmarks.ebc_train`` does on CPU.
+  ``benchmarks.ebc_train`` does on CPU. FBGEMM's tables start from the KV
+  tables' initial rows, and the run stops unless the first training step of
+  both pools the same rows and makes the same update.
 
 Run on a machine with a CUDA GPU and fbgemm-gpu built for CUDA::
 
@@ -61,8 +67,12 @@ from torchrec_kvemb.options import WAYS
 
 KV = "KV"
 TBE = "TBE"
-#: Kernel names, in the order they are reported.
-KERNELS = ("probe", "find", "insert", "pooled fwd", "pooled bwd", "optimizer")
+#: Launcher names, in the order they are reported.
+KERNELS = ("probe", "find+insert", "pooled fwd", "fused bwd")
+#: One id in this many of a ``find+insert`` batch is new (takes a row by eviction).
+NEW_EVERY = 8
+#: Ids whose initial rows are made at a time when FBGEMM's tables copy the KV ones.
+INIT_CHUNK = 1 << 18
 #: KV EBC over FBGEMM's fused tables, in ids/s (the same targets as on CPU).
 EBC_TARGETS = {"train": 0.7, "eval": 0.7}
 
@@ -75,9 +85,9 @@ class GpuConfig:
     dim: int = 128
     batch: int = 16_384
     bag: int = 16
-    rows: int = 2_000_000  # per table: TBE size, id range, KV capacity
+    rows: int = 2_000_000  # per table: TBE size, id range, KV capacity (whole buckets)
     alpha: float = 1.05  # Zipf exponent of the ids
-    kernel_ids: int = 1 << 20  # ids per kernel call
+    kernel_ids: int = 1 << 20  # ids per launcher call, over all tables
     copy_mb: int = 1024  # buffer of the copy-bandwidth measure
     steps: int = 10  # calls per timed block
     repeats: int = 5  # timed blocks (the median is reported)
@@ -118,6 +128,8 @@ class Rate:
     items: int
     nbytes: int
     seconds: float
+    rows: int = 0  # kernels: distinct rows (table, id) the call touches
+    inserted: int = 0  # kernels: rows a find+insert call creates
 
     @property
     def items_per_s(self) -> float:
@@ -146,34 +158,34 @@ class GpuResult:
 
 
 # -------------------------------------------------------------- byte counts
-def kernel_bytes(kernel: str, ids: int, bags: int, rows: int, dim: int) -> int:
-    """Bytes a kernel must read and write at least, for ``ids`` ids in ``bags``
-    bags touching ``rows`` distinct rows of ``dim`` fp32 values (int64 ids and
-    slots, a ``WAYS``-way bucket of int64 keys per lookup):
+def kernel_bytes(
+    kernel: str, ids: int, bags: int, rows: int, dim: int, state_dim: int = 1, inserted: int = 0
+) -> int:
+    """Bytes a launcher must read and write at least, for ``ids`` ids in ``bags``
+    bags touching ``rows`` distinct rows (distinct (table, id) pairs) of ``dim``
+    fp32 values and ``state_dim`` fp32 of optimizer state, ``inserted`` of them
+    new (int64 ids, table indices and slots, a ``WAYS``-way bucket of int64 keys
+    per lookup):
 
-    * ``probe``: id in, its bucket's keys, slot out;
-    * ``find``: id and score in, bucket keys, score read and written, slot out;
-    * ``insert``: as ``find``, plus the new key and score written;
-    * ``pooled fwd``: slot, id and row per id, offsets, one pooled row out per bag;
-    * ``pooled bwd``: slot and the bag's gradient row per id, one gradient row
-      and slot out per distinct row;
-    * ``optimizer`` (row-wise Adagrad): per distinct row its slot, gradient,
-      row read and written, state read and written.
+    * ``probe``: id and table in, its bucket's keys, slot out;
+    * ``find+insert``: id and table in, slot out per id; per distinct id its
+      bucket's keys and its score (a stored id's read and written, a new id's
+      key and score written); per new row its initial values and zero state;
+    * ``pooled fwd``: slot and row per id, offsets, one pooled row out per bag;
+    * ``fused bwd`` (row-wise Adagrad): slot and the bag's gradient row per id;
+      per distinct row the row and its state read and written.
     """
     bucket = WAYS * 8
     row = dim * 4
+    state = state_dim * 4
     if kernel == "probe":
-        return ids * (8 + bucket + 8)
-    if kernel == "find":
-        return ids * (8 + 8 + bucket + 16 + 8)
-    if kernel == "insert":
-        return ids * (8 + 8 + bucket + 16 + 8 + 16)
+        return ids * (8 + 8 + bucket + 8)
+    if kernel == "find+insert":
+        return ids * (8 + 8 + 8) + rows * (bucket + 16) + inserted * (row + state)
     if kernel == "pooled fwd":
-        return ids * (8 + 8 + row) + (bags + 1) * 8 + bags * row
-    if kernel == "pooled bwd":
-        return ids * (8 + row) + rows * (row + 8)
-    if kernel == "optimizer":
-        return rows * (8 + row + 2 * row + 2 * 4)
+        return ids * (8 + row) + (bags + 1) * 8 + bags * row
+    if kernel == "fused bwd":
+        return ids * (8 + row) + rows * (2 * row + 2 * state)
     raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
 
 
@@ -258,119 +270,188 @@ def _build_tbe(config: GpuConfig, device: torch.device, tables: int):
         raise  # unreachable: _refuse exits
 
 
-def measure_kernels(config: GpuConfig, device: torch.device) -> list[Rate]:
-    """Every Triton kernel alone on one table of ``config.rows`` slots, then
-    FBGEMM's fused table on the same rows."""
-    from torchrec_kvemb.kernels.insert import insert_triton
-    from torchrec_kvemb.kernels.optimizer_update import optimizer_update_triton
-    from torchrec_kvemb.kernels.pooled_lookup import pooled_backward_triton, pooled_forward_triton
-    from torchrec_kvemb.kernels.probe import probe_triton
-    from torchrec_kvemb.ops.pooled_lookup import InitSpec
+#: Ids offered per slot when filling a group: with 3 a bucket of 16 ways gets
+#: fewer than 16 with probability ~1e-7 (Poisson, mean 48).
+FILL = 3
+
+
+def full_group(config: GpuConfig, device: torch.device):
+    """A group of ``config.tables`` tables of ``config.rows`` rows (whole buckets) and
+    row-wise Adagrad, every bucket full (three ids offered per slot, loaded as a
+    checkpoint is), small random rows; and each table's stored ids."""
+    from torchrec_kvemb.group import KVTableGroup
     from torchrec_kvemb.optimizer import FusedOptimConfig
+    from torchrec_kvemb.options import KVTableOptions
 
+    capacity = config.rows // WAYS * WAYS
+    group = KVTableGroup(
+        [f"t{t}" for t in range(config.tables)],
+        [KVTableOptions(capacity=capacity, seed=config.seed + t) for t in range(config.tables)],
+        config.dim,
+        FusedOptimConfig(learning_rate=config.learning_rate, eps=config.eps),
+        device,
+    )
     gen = torch.Generator().manual_seed(config.seed)
-    buckets = max(1, config.rows // WAYS)
-    capacity = buckets * WAYS
-    keys = torch.full((buckets, WAYS), -1, dtype=torch.int64, device=device)
-    scores = torch.zeros_like(keys)
+    stored = []
+    for table in group.tables:
+        offered = spread_ids(torch.randperm(FILL * capacity, generator=gen)).to(device)
+        rows = torch.zeros(1, config.dim, device=device).expand(offered.numel(), -1)
+        table.load_rows(offered, rows, None, torch.zeros_like(offered))
+        stored.append(table.index.ids_at(table.index.live_slots()))
+    group.weights.normal_(0.0, 0.01, generator=torch.Generator(device).manual_seed(config.seed))
+    return group, stored
 
-    # Fill to three quarters with ids spread over 2**40 (a few bucket overflows evict).
-    universe = max(1, 3 * capacity // 4)
-    stored_ids = spread_ids(torch.randperm(universe, generator=gen)).to(device)
-    chunk = max(1, config.kernel_ids)
-    for lo in range(0, universe, chunk):
-        part = stored_ids[lo : lo + chunk]
-        insert_triton(keys, scores, part, torch.ones_like(part), False, False)
-    stored_ids = stored_ids[probe_triton(keys, stored_ids) >= 0]  # every lookup hits
-    universe = stored_ids.numel()
 
-    # One batch of Zipf ids over the stored ids, in bags of ``bag``.
-    n = max(config.bag, config.kernel_ids // config.bag * config.bag)
-    bags = n // config.bag
-    ranks = ZipfIds(universe, config.alpha, config.seed).sample(n)
-    ids = stored_ids[ranks.to(device)]
-    uniq = torch.unique(ids)
+def measure_kernels(config: GpuConfig, device: torch.device) -> list[Rate]:
+    """Every Triton launcher alone on a full group, then FBGEMM's fused tables on
+    the same rows."""
+    from torchrec_kvemb.kernels.group_lookup import (
+        group_lookup_eval_triton,
+        group_lookup_train_triton,
+    )
+    from torchrec_kvemb.kernels.group_pooled import (
+        ROWWISE_ADAGRAD,
+        group_fused_backward_triton,
+        group_pooled_forward_triton,
+    )
+    from torchrec_kvemb.ops.contracts import Bags
+
+    group, stored = full_group(config, device)
+    T = config.tables
+    capacity = group.tables[0].capacity
+    s = group.storage
+    gen = torch.Generator().manual_seed(config.seed + 1)
+
+    # One batch of Zipf ids over each table's stored ids, table after table, in
+    # bags of ``bag`` (a table's bags are consecutive, as a collection's features).
+    per_table = max(1, config.kernel_ids // (T * config.bag))
+    bags = T * per_table
+    n = bags * config.bag
+    parts = []
+    for t in range(T):
+        ranks = ZipfIds(stored[t].numel(), config.alpha, config.seed + t).sample(
+            per_table * config.bag
+        )
+        parts.append(stored[t][ranks.to(device)])
+    ids = torch.cat(parts)
+    table_idx = torch.arange(T, device=device).repeat_interleave(per_table * config.bag)
     offsets = torch.arange(0, n + 1, config.bag, dtype=torch.int64, device=device)
-    weights = torch.randn(capacity, config.dim, generator=gen).mul_(0.01).to(device)
-    state = torch.zeros(capacity, 1, device=device)
+    pooled_bags = Bags.build(offsets, n)
+    bag_list = torch.arange(bags, device=device)
     grad_out = torch.randn(bags, config.dim, generator=gen).to(device)
-    init = InitSpec(config.seed, False, -0.01, 0.01)
-    optim = FusedOptimConfig(learning_rate=config.learning_rate, eps=config.eps)
-    slots = probe_triton(keys, ids)
-    upd_slots, upd_grads = pooled_backward_triton(grad_out, slots, offsets, None, False)
-    rows = upd_slots.numel()
 
-    # ``insert`` writes new ids into its own copy of the index, a fresh set per call.
-    new_keys, new_scores = keys.clone(), scores.clone()
-    fresh = spread_ids(torch.arange(uniq.numel()) + universe).to(device)
+    def probe(i: int) -> torch.Tensor:
+        return group_lookup_eval_triton(group.layout, s.keys, ids, table_idx, group.metrics)
 
-    def insert_new(i: int) -> None:
-        batch = fresh + (i + 1) * uniq.numel()
-        insert_triton(new_keys, new_scores, batch, torch.full_like(batch, i + 2), False, False)
+    slots = probe(0)
+    if not bool((slots >= 0).all()):
+        raise RuntimeError("a stored id of the benchmark batch was not found")
+    slot_table = group.table_of(slots)
+    rows = torch.unique(slots).numel()
+    lrs = group.learning_rate_tensor()
+    ones = torch.ones(T, device=device)
 
-    def optimizer(i: int) -> None:
-        optimizer_update_triton(weights, state, upd_slots, upd_grads, optim, i + 1)
+    # ``find+insert``: the batch with one id in NEW_EVERY replaced by an id never
+    # seen, a fresh set per call (new ids evict the least recently used).
+    new_at = torch.arange(0, n, NEW_EVERY, device=device)
+    first_new = FILL * capacity
 
-    find_values = torch.full_like(uniq, 7)
-    kernel_steps = {
-        "probe": lambda i: probe_triton(keys, ids),
-        "find": lambda i: insert_triton(keys, scores, uniq, find_values, False, False),
-        "insert": insert_new,
-        "pooled fwd": lambda i: pooled_forward_triton(
-            weights, slots, ids, offsets, None, False, init
-        ),
-        "pooled bwd": lambda i: pooled_backward_triton(grad_out, slots, offsets, None, False),
-        "optimizer": optimizer,
-    }
-    seconds = _median_s(device, kernel_steps, config)
-    count = {"find": uniq.numel(), "insert": uniq.numel(), "optimizer": rows}
+    def train_batch(call: int) -> torch.Tensor:
+        fresh = first_new + call * new_at.numel() + torch.arange(new_at.numel())
+        return ids.index_copy(0, new_at, spread_ids(fresh).to(device))
+
+    def find_insert(call: int) -> None:
+        group_lookup_train_triton(
+            group.layout, s.keys, s.scores, s.weights, s.state, s.counter_keys,
+            s.counter_scores, s.counts, train_batch(call), table_idx, group.advance_clocks(),
+            group.metrics,
+        )  # fmt: skip
+
+    def pooled_fwd(i: int) -> torch.Tensor:
+        return group_pooled_forward_triton(
+            group.layout, group.weights, slots, ids, table_idx, pooled_bags, bag_list, False
+        )
+
+    optim = group.optim
+
+    def fused_bwd(i: int) -> None:
+        group_fused_backward_triton(
+            group.weights, group.state, grad_out, slots, slot_table, pooled_bags,
+            ROWWISE_ADAGRAD, lrs, ones, ones, optim.eps, optim.beta1, optim.beta2,
+            optim.weight_decay, False, False, False, optim.max_gradient,
+        )  # fmt: skip
+
+    # One untimed call counts what a training lookup does (inserts, from the metrics).
+    batch = train_batch(0)
+    uniques = torch.unique(batch + table_idx * (1 << 41)).numel()  # ids < 2**40
+    before = group.metrics[:, 2].sum()
+    find_insert(0)
+    inserted = int(group.metrics[:, 2].sum() - before)
+    seconds = _median_s(
+        device,
+        {
+            "probe": probe,
+            "find+insert": lambda i: find_insert(i + 1),
+            "pooled fwd": pooled_fwd,
+            "fused bwd": fused_bwd,
+        },
+        config,
+    )
+    state_dim = group.state.shape[1]
+    touched = {name: uniques if name == "find+insert" else rows for name in KERNELS}
+    created = {name: inserted if name == "find+insert" else 0 for name in KERNELS}
     rates = [
         Rate(
             "kernels",
             name,
             KV,
-            count.get(name, n),
-            kernel_bytes(name, count.get(name, n), bags, rows, config.dim),
+            n,
+            kernel_bytes(name, n, bags, touched[name], config.dim, state_dim, created[name]),
             seconds[name],
+            touched[name],
+            created[name],
         )
         for name in KERNELS
     ]
 
-    # FBGEMM's fused table over the same rows (indices = the KV slots), from the same
-    # weights: both must compute the same pooled rows and the same first update.
-    tbe = _build_tbe(config, device, tables=1)
-    tbe_ids = slots
-    tbe_weights = tbe.split_embedding_weights()[0]
+    # FBGEMM's fused tables over the same rows (indices = each table's KV slots),
+    # from the same weights: both must compute the same pooled rows and the same
+    # first update. FBGEMM pools [batch, tables * dim]; the group [tables * batch, dim].
+    tbe = _build_tbe(config, device, tables=T)
+    tbe_weights = tbe.split_embedding_weights()
     with torch.no_grad():
-        tbe_weights[:capacity].copy_(weights)
-    state.zero_()  # as FBGEMM's new optimizer state (the timed updates above filled it)
+        for t, table in enumerate(group.tables):
+            tbe_weights[t][:capacity].copy_(table.weights)
+    group.state.zero_()  # as FBGEMM's new optimizer state (the timed updates above filled it)
+    row_offsets = torch.tensor(group.row_offsets, device=device)
+    tbe_ids = slots - row_offsets[table_idx]
+
+    def as_tbe(pooled: torch.Tensor) -> torch.Tensor:
+        return pooled.view(T, per_table, config.dim).transpose(0, 1).reshape(per_table, -1)
+
+    tbe_grad = as_tbe(grad_out).contiguous()
 
     def kv_train(i: int) -> None:
-        pooled_forward_triton(weights, slots, ids, offsets, None, False, init)
-        got_slots, got_grads = pooled_backward_triton(grad_out, slots, offsets, None, False)
-        optimizer_update_triton(weights, state, got_slots, got_grads, optim, i + 1)
+        pooled_fwd(i)
+        fused_bwd(i)
 
     def tbe_train(i: int) -> None:
-        tbe(tbe_ids, offsets).backward(grad_out)
+        tbe(tbe_ids, offsets).backward(tbe_grad)
 
     def tbe_fwd(i: int) -> None:
         with torch.no_grad():
             tbe(tbe_ids, offsets)
 
-    check_same_as_tbe(
-        "pooled forward",
-        pooled_forward_triton(weights, slots, ids, offsets, None, False, init),
-        tbe(tbe_ids, offsets).detach(),
-    )
+    check_same_as_tbe("pooled forward", as_tbe(pooled_fwd(0)), tbe(tbe_ids, offsets).detach())
     kv_train(0)
     tbe_train(0)
-    check_same_as_tbe("rows after one update", weights[upd_slots], tbe_weights[upd_slots])
+    for t, table in enumerate(group.tables):
+        check_same_as_tbe(
+            f"table {t}'s rows after one update", table.weights, tbe_weights[t][:capacity]
+        )
     seconds = _median_s(device, {"kv": kv_train, "tbe": tbe_train, "tbe fwd": tbe_fwd}, config)
     fwd_bytes = kernel_bytes("pooled fwd", n, bags, rows, config.dim)
-    train_bytes = sum(
-        kernel_bytes(k, rows if k == "optimizer" else n, bags, rows, config.dim)
-        for k in ("pooled fwd", "pooled bwd", "optimizer")
-    )
+    train_bytes = fwd_bytes + kernel_bytes("fused bwd", n, bags, rows, config.dim, state_dim)
     rates += [
         Rate("kernels", "fwd", TBE, n, fwd_bytes, seconds["tbe fwd"]),
         Rate("kernels", "fwd+bwd+update", KV, n, train_bytes, seconds["kv"]),
@@ -389,7 +470,8 @@ def check_same_as_tbe(what: str, kv: torch.Tensor, tbe: torch.Tensor) -> None:
 
 # --------------------------------------------------------------------- EBC
 def measure_ebc(config: GpuConfig, device: torch.device) -> list[Rate]:
-    """KV EBC vs FBGEMM's fused tables: train and eval steps on the same batches."""
+    """KV EBC vs FBGEMM's fused tables: train and eval steps on the same batches,
+    once their first training step agrees (``RuntimeError`` otherwise)."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -432,6 +514,14 @@ def measure_ebc(config: GpuConfig, device: torch.device) -> list[Rate]:
         },
     )
     tbe = _build_tbe(config, device, tables=config.tables)
+    # FBGEMM's tables start from the KV tables' initial rows (an id is a row of
+    # FBGEMM's table): the first step must pool the same rows and make the same update.
+    tbe_weights = tbe.split_embedding_weights()
+    with torch.no_grad():
+        for t, weights in enumerate(tbe_weights):
+            for lo in range(0, config.rows, INIT_CHUNK):
+                ids = torch.arange(lo, min(lo + INIT_CHUNK, config.rows), device=device)
+                weights[lo : lo + ids.numel()].copy_(kv.table(f"t{t}").initial_rows(ids))
 
     def kv_train(batches):
         return lambda i: kv(batches[i % len(batches)]).values().backward(grad)
@@ -443,7 +533,16 @@ def measure_ebc(config: GpuConfig, device: torch.device) -> list[Rate]:
 
         return step
 
-    for i in range(config.prime):
+    first = prime[0]
+    kv_out, tbe_out = kv(first).values(), tbe(first.values(), first.offsets())
+    check_same_as_tbe("EBC pooled rows", kv_out.detach(), tbe_out.detach())
+    kv_out.backward(grad)
+    tbe_out.backward(grad)
+    for t, weights in enumerate(tbe_weights):
+        ids = torch.unique(first[keys[t]].values())
+        rows, _ = kv.table(f"t{t}").find(ids)
+        check_same_as_tbe(f"EBC table t{t}'s rows after one step", rows, weights[ids])
+    for i in range(1, config.prime):
         kv_train(prime)(i)
         tbe_train(prime)(i)
     train = _median_s(device, {KV: kv_train(train_batches), TBE: tbe_train(train_batches)}, config)
@@ -562,8 +661,9 @@ def ratio_rows(result: GpuResult) -> list[tuple]:
 
 def describe(config: GpuConfig) -> str:
     return (
-        f"kernels: one table of {config.rows:,} slots x dim {config.dim}, "
-        f"{config.kernel_ids:,} Zipf ids (alpha {config.alpha}) a call in bags of {config.bag}; "
+        f"kernels: a full group of {config.tables} tables x {config.rows:,} slots x dim "
+        f"{config.dim}, {config.kernel_ids:,} Zipf ids (alpha {config.alpha}) a call in bags "
+        f"of {config.bag}, one in {NEW_EVERY} new in find+insert; "
         f"EBC: {config.tables} tables, batch {config.batch}, {config.ids_per_step:,} ids/step; "
         f"median of {config.repeats} blocks x {config.steps} calls; "
         f"copy buffer {config.copy_mb} MiB"
@@ -609,6 +709,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[GpuConfig, argparse.Namespac
     config = config_from_args(args, QUICK if args.quick else GpuConfig(), names)
     if config.dim % 4:
         parser.error(f"--dim must be a multiple of 4 (FBGEMM's fused tables), got {config.dim}")
+    if config.rows < WAYS:
+        parser.error(f"--rows must be at least {WAYS} (one bucket), got {config.rows}")
     return config, args
 
 

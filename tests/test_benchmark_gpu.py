@@ -27,17 +27,16 @@ def quick_result() -> gpu_kernels.GpuResult:
 @pytest.mark.parametrize(
     ("kernel", "expected"),
     [
-        ("probe", 13 * (8 + WAYS * 8 + 8)),
-        ("find", 13 * (8 + 8 + WAYS * 8 + 16 + 8)),
-        ("insert", 13 * (8 + 8 + WAYS * 8 + 16 + 8 + 16)),
-        ("pooled fwd", 13 * (8 + 8 + 5 * 4) + 4 * 8 + 3 * 5 * 4),
-        ("pooled bwd", 13 * (8 + 5 * 4) + 11 * (5 * 4 + 8)),
-        ("optimizer", 11 * (8 + 3 * 5 * 4 + 8)),
+        ("probe", 13 * (8 + 8 + WAYS * 8 + 8)),
+        ("find+insert", 13 * (8 + 8 + 8) + 11 * (WAYS * 8 + 16) + 4 * (5 * 4 + 3 * 4)),
+        ("pooled fwd", 13 * (8 + 5 * 4) + 4 * 8 + 3 * 5 * 4),
+        ("fused bwd", 13 * (8 + 5 * 4) + 11 * (2 * 5 * 4 + 2 * 3 * 4)),
     ],
     ids=lambda v: str(v).replace(" ", "-"),
 )
 def test_kernel_bytes(kernel: str, expected: int) -> None:
-    assert gpu_kernels.kernel_bytes(kernel, ids=13, bags=3, rows=11, dim=5) == expected
+    got = gpu_kernels.kernel_bytes(kernel, ids=13, bags=3, rows=11, dim=5, state_dim=3, inserted=4)
+    assert got == expected
 
 
 def test_kernel_bytes_rejects_unknown_kernel() -> None:
@@ -49,14 +48,22 @@ def test_every_part_is_timed(quick_result: gpu_kernels.GpuResult) -> None:
     config = gpu_kernels.QUICK
     r = quick_result
     assert r.copy.nbytes == 2 * config.copy_mb * (1 << 20)
+    bags = config.kernel_ids // (config.tables * config.bag) * config.tables
+    n = bags * config.bag
     for name in gpu_kernels.KERNELS:
         rate = r.get("kernels", name, gpu_kernels.KV)
-        assert rate.items > 0 and rate.seconds > 0 and math.isfinite(rate.gb_per_s), name
-    n = config.kernel_ids // config.bag * config.bag
-    assert r.get("kernels", "probe", gpu_kernels.KV).items == n
-    unique = r.get("kernels", "find", gpu_kernels.KV).items
-    assert 0 < unique <= n
-    assert r.get("kernels", "insert", gpu_kernels.KV).items == unique
+        assert rate.items == n and rate.seconds > 0 and math.isfinite(rate.gb_per_s), name
+        expected = gpu_kernels.kernel_bytes(
+            name, n, bags, rate.rows, config.dim, state_dim=1, inserted=rate.inserted
+        )
+        assert rate.nbytes == expected, name
+    # Every new id of a training batch takes a row in the full group (by eviction).
+    train = r.get("kernels", "find+insert", gpu_kernels.KV)
+    new = math.ceil(n / gpu_kernels.NEW_EVERY)
+    assert train.inserted == new
+    probe = r.get("kernels", "probe", gpu_kernels.KV)
+    assert 0 < probe.rows <= n and new < train.rows <= n
+    assert r.get("kernels", "fused bwd", gpu_kernels.KV).rows == probe.rows
     for mode in ("train", "eval"):
         for system in (gpu_kernels.KV, gpu_kernels.TBE):
             rate = r.get("ebc", mode, system)
@@ -64,6 +71,14 @@ def test_every_part_is_timed(quick_result: gpu_kernels.GpuResult) -> None:
     assert "interpreter" in r.device
     with pytest.raises(KeyError):
         r.get("kernels", "probe", gpu_kernels.TBE)
+
+
+def test_the_kernel_group_is_full() -> None:
+    config = gpu_kernels.QUICK
+    group, stored = gpu_kernels.full_group(config, torch.device("cpu"))
+    assert group.num_tables == config.tables
+    assert bool((group.storage.keys >= 0).all()), "every way of every bucket holds an id"
+    assert [s.numel() for s in stored] == [t.capacity for t in group.tables]
 
 
 def test_ratios_and_report(quick_result: gpu_kernels.GpuResult) -> None:
@@ -138,4 +153,10 @@ def test_unknown_device_exits_2(name: str, capsys: pytest.CaptureFixture) -> Non
 def test_dim_must_suit_fbgemm() -> None:
     with pytest.raises(SystemExit) as exc:
         gpu_kernels.parse_args(["--quick", "--dim", "7"])
+    assert exc.value.code == 2
+
+
+def test_rows_must_fill_a_bucket() -> None:
+    with pytest.raises(SystemExit) as exc:
+        gpu_kernels.parse_args(["--quick", "--rows", str(WAYS - 1)])
     assert exc.value.code == 2

@@ -1,7 +1,9 @@
 """Run as a script: compile every Triton kernel, as the package launches it, for a GPU.
 
-``record``: drive the kernels through the public API (a KV EBC training and
-evaluating with each optimizer, pooling, weighting and eviction policy, and
+``record``: drive the kernels through the public API (KV EBCs training and
+evaluating with each optimizer, decay mode, clipping, pooling, weighting and
+eviction policy, admission and custom scores; ``KVTable`` on its own: find,
+insert, checkpoint-style loads, a table with an SSD tier; and
 ``block_bucketize_2d`` with each option) in Triton's interpreter on CPU
 tensors, recording each launch: the kernel, its argument types and its
 constexpr values; print them as JSON.
@@ -22,6 +24,7 @@ import inspect
 import json
 import os
 import sys
+import tempfile
 import traceback
 
 if sys.argv[1:2] == ["record"]:
@@ -39,6 +42,7 @@ _POINTER_TYPES = {
     torch.uint8: "*u8",
     torch.bool: "*i1",
     torch.float32: "*fp32",
+    torch.float64: "*fp64",
     torch.float16: "*fp16",
     torch.bfloat16: "*bf16",
 }
@@ -93,17 +97,31 @@ _original_run = None
 
 
 # ------------------------------------------------------------------ phase 1
+def _kjt(keys: list[str], batch: int, weighted: bool, gen: torch.Generator):
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    lengths = torch.randint(0, 5, (len(keys) * batch,), generator=gen)
+    values = torch.randint(0, 90, (int(lengths.sum()),), generator=gen) * 1_000_003
+    weights = torch.rand(values.numel(), generator=gen) if weighted else None
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=keys, values=values, lengths=lengths, weights=weights
+    )
+
+
 def drive_ebc() -> None:
+    """KV EBCs training and evaluating (the group kernels): every optimizer, L2 and
+    decoupled weight decay, clipping, SUM / MEAN / weighted pooling, every eviction
+    policy (custom scores given in some steps), admission, a group of two tables
+    and a dim over one column block."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     from torchrec_kvemb import EvictionPolicy, Initializer, KVEmbeddingBagCollection, KVTableOptions
     from torchrec_kvemb.optimizer import WeightDecay
 
-    optimizers = [
+    setups = [
         ({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD}, PoolingType.SUM, False),
-        ({"optimizer": EmbOptimType.ADAM, "weight_decay": 0.01}, PoolingType.MEAN, True),
+        ({"optimizer": EmbOptimType.ADAM, "weight_decay": 0.01}, PoolingType.MEAN, False),
         (
             {
                 "optimizer": EmbOptimType.EXACT_SGD,
@@ -116,9 +134,20 @@ def drive_ebc() -> None:
             True,
         ),
     ]
-    policies = [EvictionPolicy.LRU, EvictionPolicy.LFU, EvictionPolicy.NONE]
+    # name: dim, options; "a" and "b" make one group (same dim), with admission.
+    tables = {
+        "a": (5, KVTableOptions(capacity=32, eviction=EvictionPolicy.LRU, admission_threshold=2)),
+        "b": (5, KVTableOptions(capacity=16, eviction=EvictionPolicy.LFU)),
+        "c": (
+            130,
+            KVTableOptions(
+                capacity=48, eviction=EvictionPolicy.CUSTOM_SCORE, initializer=Initializer.NORMAL
+            ),
+        ),
+        "d": (36, KVTableOptions(capacity=16, eviction=EvictionPolicy.NONE)),
+    }
     gen = torch.Generator().manual_seed(5)
-    for (fused, pooling, weighted), policy in zip(optimizers, policies, strict=True):
+    for fused, pooling, weighted in setups:
         configs = [
             EmbeddingBagConfig(
                 name=name,
@@ -127,28 +156,66 @@ def drive_ebc() -> None:
                 feature_names=[name],
                 pooling=pooling,
             )
-            for name, dim in (("a", 5), ("b", 36))
+            for name, (dim, _) in tables.items()
         ]
-        options = {
-            "a": KVTableOptions(capacity=32, eviction=policy, admission_threshold=2),
-            "b": KVTableOptions(capacity=48, eviction=policy, initializer=Initializer.NORMAL),
-        }
+        options = {name: opts for name, (_, opts) in tables.items()}
         ebc = KVEmbeddingBagCollection(
             configs, options, is_weighted=weighted, fused_params={**fused, "learning_rate": 0.1}
         )
         for step in range(4):
-            lengths = torch.randint(0, 5, (2 * 7,), generator=gen)
-            values = torch.randint(0, 90, (int(lengths.sum()),), generator=gen) * 1_000_003
-            weights = torch.rand(values.numel(), generator=gen) if weighted else None
-            kjt = KeyedJaggedTensor.from_lengths_sync(
-                keys=["a", "b"], values=values, lengths=lengths, weights=weights
-            )
+            kjt = _kjt(list(tables), 7, weighted, gen)
             if step == 3:
                 ebc.eval()
                 with torch.no_grad():
                     ebc(kjt)
-            else:
-                ebc(kjt).values().sum().backward()
+                continue
+            scores = None
+            if step != 1:  # step 1: the CUSTOM_SCORE table falls back to its clock
+                count = kjt["c"].values().numel()
+                scores = {"c": torch.randint(0, 4, (count,), generator=gen)}
+            ebc(kjt, eviction_scores=scores).values().sum().backward()
+
+
+def drive_tables() -> None:
+    """The per-table kernels (probe, find-or-insert), as ``KVTable`` uses them: ``find``,
+    ``insert`` under each policy, a checkpoint-style ``load_rows`` and
+    ``load_admission``, and a KV EBC with an SSD tier (its table is looked up on
+    its own, by the per-table path)."""
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    from torchrec_kvemb import EvictionPolicy, KVEmbeddingBagCollection, KVTable, KVTableOptions
+    from torchrec_kvemb.options import SSDOptions
+
+    gen = torch.Generator().manual_seed(9)
+    ids = torch.randperm(200, generator=gen)[:70] * 7_919
+    for policy in EvictionPolicy:
+        table = KVTable("t", 7, KVTableOptions(capacity=48, eviction=policy, admission_threshold=2))
+        table.insert(ids[:60], torch.randn(60, 7, generator=gen))
+        table.find(ids)
+        table.insert(ids[40:], torch.randn(30, 7, generator=gen))
+        exported = table.export()
+        waiting = table.admission_entries()
+        table.lookup_train(ids[:45])
+        table.clear()
+        table.load_rows(exported["ids"], exported["weights"], None, exported["scores"])
+        table.load_admission(*waiting)
+        table.find(ids)
+
+    with tempfile.TemporaryDirectory() as path:
+        configs = [
+            EmbeddingBagConfig(
+                name=name, embedding_dim=4, num_embeddings=2**63 - 1, feature_names=[name]
+            )
+            for name in ("mem", "ssd")
+        ]
+        options = {
+            "mem": KVTableOptions(capacity=16),
+            "ssd": KVTableOptions(capacity=16, ssd=SSDOptions(path=path)),
+        }
+        ebc = KVEmbeddingBagCollection(configs, options)
+        for _ in range(2):
+            ebc(_kjt(["mem", "ssd"], 5, False, gen)).values().sum().backward()
+        ebc.table("ssd").close()
 
 
 def drive_bucketize() -> None:
@@ -210,6 +277,7 @@ def main() -> None:
     if mode == "record":
         install_recorder()
         drive_ebc()
+        drive_tables()
         drive_bucketize()
         launches = [
             {
