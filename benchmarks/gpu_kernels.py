@@ -280,7 +280,7 @@ def full_group(config: GpuConfig, device: torch.device):
     row-wise Adagrad, every bucket full (three ids offered per slot, loaded as a
     checkpoint is), small random rows; and each table's stored ids."""
     from torchrec_kvemb.group import KVTableGroup
-    from torchrec_kvemb.optimizer import FusedOptimConfig
+    from torchrec_kvemb.optimizer import FusedOptimConfig, OptimKind
     from torchrec_kvemb.options import KVTableOptions
 
     capacity = config.rows // WAYS * WAYS
@@ -288,7 +288,9 @@ def full_group(config: GpuConfig, device: torch.device):
         [f"t{t}" for t in range(config.tables)],
         [KVTableOptions(capacity=capacity, seed=config.seed + t) for t in range(config.tables)],
         config.dim,
-        FusedOptimConfig(learning_rate=config.learning_rate, eps=config.eps),
+        FusedOptimConfig(
+            kind=OptimKind.ROWWISE_ADAGRAD, learning_rate=config.learning_rate, eps=config.eps
+        ),
         device,
     )
     gen = torch.Generator().manual_seed(config.seed)
@@ -305,6 +307,7 @@ def full_group(config: GpuConfig, device: torch.device):
 def measure_kernels(config: GpuConfig, device: torch.device) -> list[Rate]:
     """Every Triton launcher alone on a full group, then FBGEMM's fused tables on
     the same rows."""
+    from torchrec_kvemb.contracts import Bags
     from torchrec_kvemb.kernels.group_lookup import (
         group_lookup_eval_triton,
         group_lookup_train_triton,
@@ -314,7 +317,6 @@ def measure_kernels(config: GpuConfig, device: torch.device) -> list[Rate]:
         group_fused_backward_triton,
         group_pooled_forward_triton,
     )
-    from torchrec_kvemb.ops.contracts import Bags
 
     group, stored = full_group(config, device)
     T = config.tables
@@ -346,7 +348,7 @@ def measure_kernels(config: GpuConfig, device: torch.device) -> list[Rate]:
     slots = probe(0)
     if not bool((slots >= 0).all()):
         raise RuntimeError("a stored id of the benchmark batch was not found")
-    slot_table = group.table_of(slots)
+    slot_table = table_idx  # the table of each id, hence of its slot
     rows = torch.unique(slots).numel()
     lrs = group.learning_rate_tensor()
     ones = torch.ones(T, device=device)

@@ -67,7 +67,7 @@ from benchmarks.common import (
     write_markdown,
 )
 from torchrec_kvemb import KVEmbeddingBagCollection, KVTable, KVTableOptions, SSDOptions
-from torchrec_kvemb.optimizer import FusedOptimConfig
+from torchrec_kvemb.optimizer import FusedOptimConfig, OptimKind
 
 FULL = "all in memory"
 SSD = "10% + SSD"
@@ -258,7 +258,7 @@ def run_training(config: BenchConfig, workdir: str, verbose: bool):
 def run_promotion(config: BenchConfig, workdir: str, verbose: bool) -> tuple[RateResult, ...]:
     """``lookup_train`` of ids only the SSD tier holds, into memory with room."""
     begin = time.perf_counter()
-    optim = FusedOptimConfig()
+    optim = FusedOptimConfig(kind=OptimKind.ROWWISE_ADAGRAD)  # rows carry optimizer state
     capacity = 2 * config.promo_batch * (2 * config.promo_trials + 1)
     options = KVTableOptions(
         capacity=capacity, ssd=SSDOptions(os.path.join(workdir, "promo"), resume=False)

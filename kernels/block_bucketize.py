@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torchrec_kvemb.ops.contracts import BucketizeInputs, BucketizeResult
+from torchrec_kvemb.contracts import BucketizeInputs, BucketizeResult
 
 # Block sizes are not tuned on a GPU yet. The routing pass streams ids, so it takes
 # wide blocks; the scatter pass ranks ids with a [BLOCK, BLOCK] compare, and 64 keeps

@@ -1,7 +1,7 @@
 """The id -> slot work of a group of KV tables, for a whole batch in O(1) launches (Triton).
 
 Twin of the per-table torch path (``KVTable.lookup_train`` / ``lookup_eval``,
-table by table; the ranking rule is in ``ops/contracts.py``): the same keys,
+table by table; the ranking rule is in ``contracts.py``): the same keys,
 scores, slots and counters, bit for bit. No host sync: every buffer has the
 batch's size ``n`` (an upper bound of what it holds) and counts stay on the
 device.
@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from torchrec_kvemb.contracts import INT64_MAX, GroupLayout, GroupLookup, stable_argsort
 from torchrec_kvemb.kernels.hashing import index_bucket, init_values_any
-from torchrec_kvemb.ops.contracts import INT64_MAX, GroupLayout, GroupLookup, stable_argsort
 
 # Kinds of a batch's unique ids after the find step.
 KIND_NONE = 0  # not an id of the group (or a padding lane)

@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from torchrec_kvemb.contracts import Bags, GroupLayout
 from torchrec_kvemb.kernels.hashing import init_values_any
-from torchrec_kvemb.ops.contracts import Bags, GroupLayout
 
 # why 128: a warp reads 128 fp32 columns (512 B) of a row as whole cache lines.
 MAX_BLOCK_D = 128

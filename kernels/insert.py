@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from torchrec_kvemb.contracts import InsertResult
+from torchrec_kvemb.contracts import stable_argsort as _stable_argsort
 from torchrec_kvemb.kernels.probe import BLOCK_IDS, probe_block
-from torchrec_kvemb.ops.contracts import InsertResult
-from torchrec_kvemb.ops.contracts import stable_argsort as _stable_argsort
 
 
 @triton.jit

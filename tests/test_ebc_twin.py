@@ -19,7 +19,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-import torchrec_kvemb.ops.dispatch as dispatch_module
+import torchrec_kvemb.dispatch as dispatch_module
 from torchrec_kvemb import KVEmbeddingBagCollection, KVTableOptions
 
 ROWS = (37, 23)

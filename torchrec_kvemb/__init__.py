@@ -1,8 +1,8 @@
 """Key-value, zero-collision embedding tables for TorchRec."""
 
+from torchrec_kvemb.contracts import BucketizeResult
+from torchrec_kvemb.dispatch import block_bucketize_2d
 from torchrec_kvemb.ebc import KVEmbeddingBagCollection
-from torchrec_kvemb.ops.contracts import BucketizeResult
-from torchrec_kvemb.ops.dispatch import block_bucketize_2d
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import (
     EvictionPolicy,

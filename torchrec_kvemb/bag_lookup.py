@@ -27,9 +27,9 @@ from dataclasses import dataclass, replace
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_kvemb.contracts import Bags, run_of_each
 from torchrec_kvemb.group import KVTableGroup
 from torchrec_kvemb.lookup import pooled_eval, pooled_train
-from torchrec_kvemb.ops.contracts import Bags, run_of_each
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import KVTableOptions
 from torchrec_kvemb.table import KVTable

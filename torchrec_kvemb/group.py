@@ -11,7 +11,7 @@ semantics do not change: buckets of two tables never mix.
 
 A batch of the group is ``ids [n]`` with ``table_idx [n]`` (the table of each
 id; -1: not this group's) and is looked up in one call per step
-(``lookup_train`` / ``lookup_eval``), whose backend ``ops/dispatch.py``
+(``lookup_train`` / ``lookup_eval``), whose backend ``dispatch.py``
 chooses: the native CPU kernel, the Triton kernels, or the torch path (one
 ``KVTable`` call per table: the reference the others are tested against).
 
@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from torchrec_kvemb import dispatch
+from torchrec_kvemb.contracts import Bags, GroupLayout, GroupLookup, GroupOptimizer, TableStorage
 from torchrec_kvemb.memory import table_memory
-from torchrec_kvemb.ops import dispatch
-from torchrec_kvemb.ops.contracts import GroupLayout, GroupLookup
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import WAYS, KVTableOptions
-from torchrec_kvemb.table import METRIC_NAMES, KVTable, TableStorage
+from torchrec_kvemb.table import METRIC_NAMES, KVTable
 
 
 @dataclass
@@ -174,10 +174,6 @@ class KVTableGroup:
             self._rates_host = rates
         return self._rates
 
-    def table_of(self, slots: torch.Tensor) -> torch.Tensor:
-        """The table (index in the group) of each global slot (slot -1: table 0)."""
-        return torch.searchsorted(self._row_ends, slots.clamp(min=0), right=True)
-
     # ------------------------------------------------------------- lookups
     def lookup_train(
         self,
@@ -190,11 +186,63 @@ class KVTableGroup:
         apply per table); every table's clock advances by one. ``custom_scores``
         (one per id) feed the CUSTOM_SCORE tables flagged in ``custom_tables``
         (default: all of them)."""
-        return dispatch.group_lookup_train(self, ids, table_idx, custom_scores, custom_tables)
+        backend = dispatch.group_backend(ids.device, self.per_table_only)
+        if backend == "torch":
+            return self.lookup_train_per_table(ids, table_idx, custom_scores, custom_tables)
+        step = self.advance_clocks()
+        use_custom = None
+        if custom_scores is not None:
+            flags = [True] * self.num_tables if custom_tables is None else list(custom_tables)
+            use_custom = torch.tensor(flags, dtype=torch.int64, device=ids.device)
+        return dispatch.group_lookup_train(
+            backend,
+            self.layout,
+            self.storage,
+            ids,
+            table_idx,
+            step,
+            self.metrics,
+            custom_scores,
+            use_custom,
+        )
 
     def lookup_eval(self, ids: torch.Tensor, table_idx: torch.Tensor) -> torch.Tensor:
         """Global slots of an evaluation batch (read-only); -1 for ids not stored."""
-        return dispatch.group_lookup_eval(self, ids, table_idx)
+        backend = dispatch.group_backend(ids.device, self.per_table_only)
+        if backend == "torch":
+            return self.lookup_eval_per_table(ids, table_idx)
+        return dispatch.group_lookup_eval(
+            backend, self.layout, self.storage, ids, table_idx, self.metrics
+        )
+
+    def pooled_forward(
+        self,
+        slots: torch.Tensor,
+        ids: torch.Tensor,
+        table_idx: torch.Tensor,
+        bags: Bags,
+        bag_list: torch.Tensor,
+        missing_as_zero: bool,
+    ) -> torch.Tensor:
+        """Pooled rows ``[B, dim]`` of a batch (meaningful for the bags in ``bag_list``):
+        ids without a row pool their table's initial value, or zeros."""
+        return dispatch.group_pooled_forward(
+            self.layout, self.weights, slots, ids, table_idx, bags, bag_list, missing_as_zero
+        )
+
+    def fused_backward(self, lookup: GroupLookup, grad_out: torch.Tensor, bags: Bags) -> None:
+        """One optimizer step of every table from the gradient of its pooled rows."""
+        steps = self.advance_optimizer_steps()
+        optim = GroupOptimizer(
+            configs=tuple(t.optim for t in self.tables),
+            steps=tuple(t.optim_step for t in self.tables),
+            device_steps=steps,
+            learning_rates=self.learning_rate_tensor(),
+            row_offsets=tuple(self.row_offsets),
+            rows=tuple(t.capacity for t in self.tables),
+            row_ends=self._row_ends,
+        )
+        dispatch.group_fused_backward(self.storage, optim, lookup, grad_out, bags)
 
     def advance_clocks(self) -> torch.Tensor:
         """Advance every table's training clock (the LRU step) by one, as a lookup

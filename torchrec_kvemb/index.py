@@ -6,7 +6,7 @@ An id lives only in its own bucket (``ops.hashing.index_bucket``), at
 tier) are addressed by slot. The ways of a bucket are filled by one of:
 
 * ``insert``: find-or-insert with eviction, by the ranking rule of
-  ``ops/contracts.py`` (a training batch, a checkpoint of rows into a live table);
+  ``contracts.py`` (a training batch, a checkpoint of rows into a live table);
 * ``place``: into empty ways only, in the given order (the SSD tier's
   unbounded index, which grows instead of evicting);
 * ``bulk_load``: a whole content into an empty index, each bucket keeping its
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from torchrec_kvemb.ops import dispatch
-from torchrec_kvemb.ops.contracts import InsertResult, stable_argsort
+from torchrec_kvemb import dispatch
+from torchrec_kvemb.contracts import InsertResult, stable_argsort
 from torchrec_kvemb.ops.hashing import index_bucket
 from torchrec_kvemb.options import WAYS
 

@@ -2,16 +2,15 @@
 
 Forward pools the group's rows by slot; backward reduces the gradient per row
 and applies each table's optimizer in place (no ``.grad`` for KV tables). The
-backend of each op is chosen in ``ops/dispatch.py``.
+backend of each op is chosen in ``dispatch.py``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from torchrec_kvemb.contracts import Bags, GroupLookup
 from torchrec_kvemb.group import KVTableGroup
-from torchrec_kvemb.ops import dispatch
-from torchrec_kvemb.ops.contracts import Bags, GroupLookup
 
 
 class GroupPooledLookup(torch.autograd.Function):
@@ -29,13 +28,11 @@ class GroupPooledLookup(torch.autograd.Function):
         ctx.group = group
         ctx.lookup = lookup
         ctx.bags = bags
-        return dispatch.group_pooled_forward(
-            group, lookup.slots, ids, table_idx, bags, bag_list, missing_as_zero=False
-        )
+        return group.pooled_forward(lookup.slots, ids, table_idx, bags, bag_list, False)
 
     @staticmethod
     def backward(ctx, grad_out):
-        dispatch.group_fused_backward(ctx.group, ctx.lookup, grad_out, ctx.bags)
+        ctx.group.fused_backward(ctx.lookup, grad_out, ctx.bags)
         return (None,) * 7
 
 
@@ -65,6 +62,4 @@ def pooled_eval(
 ) -> torch.Tensor:
     """An evaluation batch of the group (read-only): ids without a row pool zeros."""
     slots = group.lookup_eval(ids, table_idx)
-    return dispatch.group_pooled_forward(
-        group, slots, ids, table_idx, bags, bag_list, missing_as_zero=True
-    )
+    return group.pooled_forward(slots, ids, table_idx, bags, bag_list, True)

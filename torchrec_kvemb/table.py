@@ -8,20 +8,20 @@ Memory per row of capacity: see ``torchrec_kvemb.memory``. With
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import torch
 
+from torchrec_kvemb.contracts import InitSpec, InsertResult, TableStorage, init_spec, seed_mix
 from torchrec_kvemb.index import BucketIndex
 from torchrec_kvemb.memory import bytes_per_row, resolve_capacity, table_memory
-from torchrec_kvemb.ops.contracts import InitSpec, InsertResult, init_spec, seed_mix
 from torchrec_kvemb.ops.hashing import init_rows, route_bucket
 from torchrec_kvemb.optimizer import FusedOptimConfig
-from torchrec_kvemb.options import WAYS, EvictionPolicy, KVTableOptions
+from torchrec_kvemb.options import EvictionPolicy, KVTableOptions
 from torchrec_kvemb.ssd.store import COUNTERS as SSD_COUNTERS
 from torchrec_kvemb.validation import KVInputError, check_ids, check_rows
 
-__all__ = ["KVTable", "bytes_per_row", "resolve_capacity"]
+__all__ = ["KVTable", "TableStorage", "bytes_per_row", "resolve_capacity"]
 
 #: Counters every table keeps (``metrics()``); a tiered table adds its tier's.
 METRIC_NAMES = (
@@ -36,62 +36,6 @@ METRIC_NAMES = (
     "promotions",
     "demotions",
 )
-
-
-class TableStorage(NamedTuple):
-    """The arrays of a table: its index, rows and admission counter. A group of
-    tables (``torchrec_kvemb.group``) allocates one set and gives each table views.
-
-    Example::
-
-        storage = TableStorage.allocate(rows=64, dim=8, state_dim=1, counter_ids=0)
-        table = KVTable("t", 8, KVTableOptions(capacity=64), storage=storage)
-    """
-
-    keys: torch.Tensor  # [rows / WAYS, WAYS] int64, -1: empty
-    scores: torch.Tensor  # [rows / WAYS, WAYS] int64
-    weights: torch.Tensor  # [rows, dim] float32
-    state: torch.Tensor  # [rows, state_dim] float32
-    counter_keys: torch.Tensor  # [counter_ids / WAYS, WAYS] int64
-    counter_scores: torch.Tensor  # [counter_ids / WAYS, WAYS] int64
-    counts: torch.Tensor  # [counter_ids] int64
-
-    @classmethod
-    def allocate(
-        cls,
-        rows: int,
-        dim: int,
-        state_dim: int,
-        counter_ids: int,
-        device: torch.device | str | None = None,
-    ) -> TableStorage:
-        """Empty arrays for ``rows`` rows and ``counter_ids`` admission entries (both
-        multiples of ``WAYS``)."""
-        keys = torch.full((rows // WAYS, WAYS), -1, dtype=torch.int64, device=device)
-        counter_keys = torch.full((counter_ids // WAYS, WAYS), -1, dtype=torch.int64, device=device)
-        return cls(
-            keys,
-            torch.zeros_like(keys),
-            torch.zeros(rows, dim, dtype=torch.float32, device=device),
-            torch.zeros(rows, state_dim, dtype=torch.float32, device=device),
-            counter_keys,
-            torch.zeros_like(counter_keys),
-            torch.zeros(counter_ids, dtype=torch.int64, device=device),
-        )
-
-    def part(self, rows: tuple[int, int], counter_ids: tuple[int, int]) -> TableStorage:
-        """Views of rows ``[lo, hi)`` and admission entries ``[lo, hi)`` (multiples of
-        ``WAYS``): one table's share of a group's arrays."""
-        (r0, r1), (c0, c1) = rows, counter_ids
-        return TableStorage(
-            self.keys[r0 // WAYS : r1 // WAYS],
-            self.scores[r0 // WAYS : r1 // WAYS],
-            self.weights[r0:r1],
-            self.state[r0:r1],
-            self.counter_keys[c0 // WAYS : c1 // WAYS],
-            self.counter_scores[c0 // WAYS : c1 // WAYS],
-            self.counts[c0:c1],
-        )
 
 
 def max_per_unique(

@@ -23,6 +23,7 @@ from torchrec_kvemb import (
     checkpoint,
 )
 from torchrec_kvemb.checkpoint import CheckpointError
+from torchrec_kvemb.optimizer import FusedOptimConfig, OptimKind
 from torchrec_kvemb.sharding import KVFusedOptimizer
 
 KV = ("user", "item")
@@ -239,7 +240,8 @@ def test_checkpoints_keep_kv_optimizer_state_with_the_rows_only(one_rank, tmp_pa
 
 # ------------------------------------------------- without a process group
 def test_a_kernel_without_a_process_group_gives_plain_tensors():
-    table = KVTable("t", 4, KVTableOptions(capacity=64, total_num_buckets=8))
+    adagrad = FusedOptimConfig(kind=OptimKind.ROWWISE_ADAGRAD)
+    table = KVTable("t", 4, KVTableOptions(capacity=64, total_num_buckets=8), adagrad)
     optimizer = KVFusedOptimizer([table])
     ids = torch.tensor([5, 2**50, 17])
     table.insert(ids, torch.ones(3, 4), torch.tensor([[1.0], [2.0], [3.0]]))
@@ -248,7 +250,7 @@ def test_a_kernel_without_a_process_group_gives_plain_tensors():
     want = {5: 1.0, 2**50: 2.0, 17: 3.0}
     assert by_id["momentum1"].tolist() == [want[i] for i in by_id["weight_id"].tolist()]
 
-    other = KVTable("t", 4, KVTableOptions(capacity=64, total_num_buckets=8))
+    other = KVTable("t", 4, KVTableOptions(capacity=64, total_num_buckets=8), adagrad)
     other.insert(ids.flip(0), torch.ones(3, 4))  # same ids, other slots, no state
     loaded = KVFusedOptimizer([other])
     loaded.load_state_dict({"state": {"t.weight": {"by_id": by_id}}})

@@ -121,7 +121,15 @@ def drive_ebc() -> None:
 
     setups = [
         ({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD}, PoolingType.SUM, False),
-        ({"optimizer": EmbOptimType.ADAM, "weight_decay": 0.01}, PoolingType.MEAN, False),
+        (
+            {
+                "optimizer": EmbOptimType.ADAM,
+                "weight_decay": 0.01,
+                "weight_decay_mode": WeightDecay.L2,
+            },
+            PoolingType.MEAN,
+            False,
+        ),
         (
             {
                 "optimizer": EmbOptimType.EXACT_SGD,
@@ -219,7 +227,7 @@ def drive_tables() -> None:
 
 
 def drive_bucketize() -> None:
-    from torchrec_kvemb.ops.dispatch import block_bucketize_2d
+    from torchrec_kvemb.dispatch import block_bucketize_2d
 
     gen = torch.Generator().manual_seed(3)
     lengths = torch.tensor([2, 0, 3, 1, 4, 1], dtype=torch.int64)

@@ -9,9 +9,9 @@ import torch
 
 import torchrec_kvemb.kernels.block_bucketize as kernel
 from tests.ops.test_block_bucketize import EDGE_CASES, OPTIONS, Case, _option_id, make_case
+from torchrec_kvemb.contracts import BucketizeResult
+from torchrec_kvemb.dispatch import block_bucketize_2d
 from torchrec_kvemb.ops.block_bucketize import block_bucketize_2d_torch
-from torchrec_kvemb.ops.contracts import BucketizeResult
-from torchrec_kvemb.ops.dispatch import block_bucketize_2d
 
 # Tiny blocks make small inputs span several programs and scatter windows.
 BLOCKS = {

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from torchrec_kvemb.backend import ENV_VAR
+from torchrec_kvemb.contracts import INT64_MAX
 from torchrec_kvemb.group import KVTableGroup
-from torchrec_kvemb.ops.contracts import INT64_MAX
 from torchrec_kvemb.ops.hashing import index_bucket
 from torchrec_kvemb.optimizer import FusedOptimConfig, OptimKind
 from torchrec_kvemb.options import WAYS, EvictionPolicy, Initializer, KVTableOptions

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from torchrec_kvemb.contracts import INT64_MAX, Bags, GroupLayout
 from torchrec_kvemb.kernels.group_pooled import (
     ADAM,
     ROWWISE_ADAGRAD,
@@ -22,7 +23,6 @@ from torchrec_kvemb.kernels.group_pooled import (
     group_fused_backward_triton,
     group_pooled_forward_triton,
 )
-from torchrec_kvemb.ops.contracts import INT64_MAX, Bags, GroupLayout
 from torchrec_kvemb.ops.optimizer_update import optimizer_update_torch
 from torchrec_kvemb.ops.pooled_lookup import (
     group_pooled_backward_torch,

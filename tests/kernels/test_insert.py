@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from torchrec_kvemb.contracts import InsertResult
 from torchrec_kvemb.kernels.insert import insert_triton
-from torchrec_kvemb.ops.contracts import InsertResult
 from torchrec_kvemb.ops.hashing import INT64_MAX, index_bucket
 from torchrec_kvemb.ops.insert import insert_torch
 from torchrec_kvemb.options import WAYS

@@ -9,9 +9,9 @@ import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import pytest
 import torch
 
+from torchrec_kvemb.contracts import BucketizeResult
+from torchrec_kvemb.dispatch import block_bucketize_2d
 from torchrec_kvemb.ops.block_bucketize import block_bucketize_2d_torch
-from torchrec_kvemb.ops.contracts import BucketizeResult
-from torchrec_kvemb.ops.dispatch import block_bucketize_2d
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchrec_kvemb.ops.contracts import INT64_MAX, Bags, InitSpec
+from torchrec_kvemb.contracts import INT64_MAX, Bags, InitSpec
 from torchrec_kvemb.ops.hashing import init_rows
 from torchrec_kvemb.ops.optimizer_update import (
     fbgemm_supports,

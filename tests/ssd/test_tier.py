@@ -15,8 +15,8 @@ import torch
 
 import torchrec_kvemb.ssd.slab as slab_module
 from torchrec_kvemb import EvictionPolicy, KVTable, KVTableOptions, SSDOptions
+from torchrec_kvemb.dispatch import insert
 from torchrec_kvemb.index import BucketIndex
-from torchrec_kvemb.ops.dispatch import insert
 from torchrec_kvemb.ops.hashing import index_bucket
 from torchrec_kvemb.optimizer import FusedOptimConfig, OptimKind
 from torchrec_kvemb.options import WAYS

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm: the CPU fast path and oracle)
 import torch
 
-from torchrec_kvemb.ops.contracts import BucketizeInputs, BucketizeResult
+from torchrec_kvemb.contracts import BucketizeInputs, BucketizeResult
 
 __all__ = ["block_bucketize_2d_torch", "bucketize_prepared_torch", "prepare_inputs"]
 

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from torchrec_kvemb.ops.contracts import (
+from torchrec_kvemb.contracts import (
     FMIX_M1,
     FMIX_M2,
     GOLDEN,

@@ -1,6 +1,6 @@
 """Find-or-insert with eviction over a bucketed index: the torch path.
 
-The ranking rule is stated in ``ops/contracts.py``; the Triton kernel
+The ranking rule is stated in ``contracts.py``; the Triton kernel
 (``kernels/insert.py``) and the native CPU kernel give the same bits. In brief:
 
 1. Each id (the batch holds unique ids) is probed in its bucket. A hit updates
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from torchrec_kvemb.ops.contracts import InsertResult
-from torchrec_kvemb.ops.contracts import stable_argsort as _stable_argsort
+from torchrec_kvemb.contracts import InsertResult
+from torchrec_kvemb.contracts import stable_argsort as _stable_argsort
 from torchrec_kvemb.ops.hashing import index_bucket
 from torchrec_kvemb.ops.probe import probe_rows
 

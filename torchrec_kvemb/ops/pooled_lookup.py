@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from torchrec_kvemb.ops.contracts import Bags, InitSpec
+from torchrec_kvemb.contracts import Bags, InitSpec
 from torchrec_kvemb.ops.hashing import init_rows
 
 

@@ -27,7 +27,7 @@ from torchrec.distributed.types import Awaitable, QuantizedCommCodecs, ShardingE
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_kvemb.ops.dispatch import block_bucketize_2d
+from torchrec_kvemb.dispatch import block_bucketize_2d
 from torchrec_kvemb.ops.hashing import route_bucket
 from torchrec_kvemb.sharding.kv_embedding import KVTableSpecs
 from torchrec_kvemb.sharding.kv_lookup import KVLookupMixin

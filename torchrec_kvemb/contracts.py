@@ -3,7 +3,7 @@
 Each op has a vectorized torch path (``torchrec_kvemb/ops/<op>.py``: the readable
 reference), a Triton kernel (``kernels/<op>.py``) and, for the id -> slot work, a
 native CPU kernel (``csrc/``). All of them import their result types and shared
-conventions from here, never from one another; ``ops/dispatch.py`` picks one.
+conventions from here, never from one another; ``dispatch.py`` picks one.
 
 **The index.** A bucketed index is ``keys [num_buckets, WAYS]`` int64 (-1: empty
 way) with ``scores`` of the same shape. An id lives only in its own bucket
@@ -46,6 +46,9 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+
+from torchrec_kvemb.optimizer import FusedOptimConfig
+from torchrec_kvemb.options import WAYS
 
 #: The 64-bit multipliers of MurmurHash3's finalizer (``fmix64``).
 FMIX_M1 = 0xFF51AFD7ED558CCD
@@ -145,6 +148,62 @@ class BucketizeInputs(NamedTuple):
 def stable_argsort(values: torch.Tensor, descending: bool = False) -> torch.Tensor:
     """The stable sort permutation of ``values`` (the ranking sorts rely on stability)."""
     return torch.sort(values, stable=True, descending=descending).indices
+
+
+class TableStorage(NamedTuple):
+    """The arrays of a table: its index, rows and admission counter. A group of
+    tables (``torchrec_kvemb.group``) allocates one set and gives each table views.
+
+    Example::
+
+        storage = TableStorage.allocate(rows=64, dim=8, state_dim=1, counter_ids=0)
+        table = KVTable("t", 8, KVTableOptions(capacity=64), storage=storage)
+    """
+
+    keys: torch.Tensor  # [rows / WAYS, WAYS] int64, -1: empty
+    scores: torch.Tensor  # [rows / WAYS, WAYS] int64
+    weights: torch.Tensor  # [rows, dim] float32
+    state: torch.Tensor  # [rows, state_dim] float32
+    counter_keys: torch.Tensor  # [counter_ids / WAYS, WAYS] int64
+    counter_scores: torch.Tensor  # [counter_ids / WAYS, WAYS] int64
+    counts: torch.Tensor  # [counter_ids] int64
+
+    @classmethod
+    def allocate(
+        cls,
+        rows: int,
+        dim: int,
+        state_dim: int,
+        counter_ids: int,
+        device: torch.device | str | None = None,
+    ) -> TableStorage:
+        """Empty arrays for ``rows`` rows and ``counter_ids`` admission entries (both
+        multiples of ``WAYS``)."""
+        keys = torch.full((rows // WAYS, WAYS), -1, dtype=torch.int64, device=device)
+        counter_keys = torch.full((counter_ids // WAYS, WAYS), -1, dtype=torch.int64, device=device)
+        return cls(
+            keys,
+            torch.zeros_like(keys),
+            torch.zeros(rows, dim, dtype=torch.float32, device=device),
+            torch.zeros(rows, state_dim, dtype=torch.float32, device=device),
+            counter_keys,
+            torch.zeros_like(counter_keys),
+            torch.zeros(counter_ids, dtype=torch.int64, device=device),
+        )
+
+    def part(self, rows: tuple[int, int], counter_ids: tuple[int, int]) -> TableStorage:
+        """Views of rows ``[lo, hi)`` and admission entries ``[lo, hi)`` (multiples of
+        ``WAYS``): one table's share of a group's arrays."""
+        (r0, r1), (c0, c1) = rows, counter_ids
+        return TableStorage(
+            self.keys[r0 // WAYS : r1 // WAYS],
+            self.scores[r0 // WAYS : r1 // WAYS],
+            self.weights[r0:r1],
+            self.state[r0:r1],
+            self.counter_keys[c0 // WAYS : c1 // WAYS],
+            self.counter_scores[c0 // WAYS : c1 // WAYS],
+            self.counts[c0:c1],
+        )
 
 
 #: Eviction policy codes of ``GroupLayout.policy`` (``EvictionPolicy`` order).
@@ -277,6 +336,30 @@ class Bags(NamedTuple):
             # why divide (not multiply by 1/len): MEAN pooling divides, bit for bit.
             scale = base / divisor[bag_of]
         return cls(offsets, bag_of, scale)
+
+
+class GroupOptimizer(NamedTuple):
+    """What a grouped backward needs of the group's optimizers: per table, its
+    config (with its current learning rate), its optimizer step (already advanced
+    for this backward, as ints and on the device), and its rows' slot range."""
+
+    configs: tuple[FusedOptimConfig, ...]
+    steps: tuple[int, ...]
+    device_steps: torch.Tensor  # [T] int64
+    learning_rates: torch.Tensor  # [T] float32, on the group's device
+    row_offsets: tuple[int, ...]
+    rows: tuple[int, ...]
+    row_ends: torch.Tensor  # [T] int64 on the device: row_offsets + rows
+
+    @property
+    def config(self) -> FusedOptimConfig:
+        """The group's optimizer (the tables differ only in learning rate)."""
+        return self.configs[0]
+
+    def table_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """The table of each global slot (-1 and beyond: clamped into a table)."""
+        table = torch.searchsorted(self.row_ends, slots.clamp(min=0), right=True)
+        return table.clamp(max=len(self.rows) - 1)
 
 
 class GroupLookup(NamedTuple):

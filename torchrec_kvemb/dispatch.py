@@ -9,23 +9,23 @@ use, so that a CPU-only process never compiles them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
 import torch
 
 from torchrec_kvemb.backend import use_triton
+from torchrec_kvemb.contracts import (
+    Bags,
+    BucketizeResult,
+    GroupLayout,
+    GroupLookup,
+    GroupOptimizer,
+    InsertResult,
+    TableStorage,
+)
 from torchrec_kvemb.ops.block_bucketize import (
     IntsLike,
     bucketize_prepared_fbgemm,
     bucketize_prepared_torch,
     prepare_inputs,
-)
-from torchrec_kvemb.ops.contracts import (
-    Bags,
-    BucketizeResult,
-    GroupLookup,
-    InsertResult,
 )
 from torchrec_kvemb.ops.insert import insert_torch
 from torchrec_kvemb.ops.optimizer_update import (
@@ -39,9 +39,6 @@ from torchrec_kvemb.ops.pooled_lookup import (
 )
 from torchrec_kvemb.ops.probe import probe_torch
 from torchrec_kvemb.optimizer import OptimKind, WeightDecay
-
-if TYPE_CHECKING:
-    from torchrec_kvemb.group import KVTableGroup
 
 
 def probe(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -61,7 +58,7 @@ def insert(
     accumulate: bool,
     keep_existing: bool,
 ) -> InsertResult:
-    """Find-or-insert unique ``ids`` by the ranking rule (``ops.contracts``), in place."""
+    """Find-or-insert unique ``ids`` by the ranking rule (``contracts``), in place."""
     if use_triton(ids.device):
         from torchrec_kvemb.kernels import insert as kernel
 
@@ -140,9 +137,10 @@ def block_bucketize_2d(
 
 
 # -------------------------------------------------------------- grouped ops
-def group_backend(group: KVTableGroup, device: torch.device) -> str:
-    """The backend of a group's ops: ``"triton"``, or ``"torch"`` (the per-table path)."""
-    if group.per_table_only:
+def group_backend(device: torch.device, per_table_only: bool = False) -> str:
+    """The backend of a group's lookups: ``"triton"``, or ``"torch"`` (the per-table
+    path, which the group runs itself; also for a group that only it can serve)."""
+    if per_table_only:
         return "torch"
     if use_triton(device):
         return "triton"
@@ -150,26 +148,23 @@ def group_backend(group: KVTableGroup, device: torch.device) -> str:
 
 
 def group_lookup_train(
-    group: KVTableGroup,
+    backend: str,
+    layout: GroupLayout,
+    storage: TableStorage,
     ids: torch.Tensor,
     table_idx: torch.Tensor,
-    custom_scores: torch.Tensor | None,
-    custom_tables: Sequence[bool] | None,
+    step: torch.Tensor,
+    metrics: torch.Tensor,
+    custom_scores: torch.Tensor | None = None,
+    use_custom: torch.Tensor | None = None,
 ) -> GroupLookup:
-    """A group's training lookup (see ``KVTableGroup.lookup_train``)."""
-    backend = group_backend(group, ids.device)
-    if backend == "torch":
-        return group.lookup_train_per_table(ids, table_idx, custom_scores, custom_tables)
-    step = group.advance_clocks()
-    use_custom = None
-    if custom_scores is not None:
-        flags = [True] * group.num_tables if custom_tables is None else list(custom_tables)
-        use_custom = torch.tensor(flags, dtype=torch.int64, device=ids.device)
+    """A group's training lookup on ``backend`` (see ``KVTableGroup.lookup_train``);
+    ``step [T]``: each table's clock for this batch; counters add to ``metrics``."""
     from torchrec_kvemb.kernels import group_lookup as kernel
 
-    s = group.storage
+    s = storage
     return kernel.group_lookup_train_triton(
-        group.layout,
+        layout,
         s.keys,
         s.scores,
         s.weights,
@@ -180,28 +175,29 @@ def group_lookup_train(
         ids,
         table_idx,
         step,
-        group.metrics,
+        metrics,
         custom_scores,
         use_custom,
     )
 
 
 def group_lookup_eval(
-    group: KVTableGroup, ids: torch.Tensor, table_idx: torch.Tensor
+    backend: str,
+    layout: GroupLayout,
+    storage: TableStorage,
+    ids: torch.Tensor,
+    table_idx: torch.Tensor,
+    metrics: torch.Tensor,
 ) -> torch.Tensor:
-    """A group's evaluation lookup (see ``KVTableGroup.lookup_eval``)."""
-    backend = group_backend(group, ids.device)
-    if backend == "torch":
-        return group.lookup_eval_per_table(ids, table_idx)
+    """A group's evaluation lookup on ``backend`` (see ``KVTableGroup.lookup_eval``)."""
     from torchrec_kvemb.kernels import group_lookup as kernel
 
-    return kernel.group_lookup_eval_triton(
-        group.layout, group.storage.keys, ids, table_idx, group.metrics
-    )
+    return kernel.group_lookup_eval_triton(layout, storage.keys, ids, table_idx, metrics)
 
 
 def group_pooled_forward(
-    group: KVTableGroup,
+    layout: GroupLayout,
+    weights: torch.Tensor,
     slots: torch.Tensor,
     ids: torch.Tensor,
     table_idx: torch.Tensor,
@@ -216,37 +212,42 @@ def group_pooled_forward(
         from torchrec_kvemb.kernels import group_pooled as kernel
 
         return kernel.group_pooled_forward_triton(
-            group.layout, group.weights, slots, ids, table_idx, bags, bag_list, missing_as_zero
+            layout, weights, slots, ids, table_idx, bags, bag_list, missing_as_zero
         )
     return group_pooled_forward_torch(
-        group.weights, slots, ids, table_idx, bags, group.layout.init_specs, missing_as_zero
+        weights, slots, ids, table_idx, bags, layout.init_specs, missing_as_zero
     )
 
 
 def group_fused_backward(
-    group: KVTableGroup, lookup: GroupLookup, grad_out: torch.Tensor, bags: Bags
+    storage: TableStorage,
+    optim: GroupOptimizer,
+    lookup: GroupLookup,
+    grad_out: torch.Tensor,
+    bags: Bags,
 ) -> None:
     """Reduce ``grad_out [B, dim]`` per stored row of the group and apply one step of
-    each table's optimizer, in place."""
-    steps = group.advance_optimizer_steps()
+    each table's optimizer (``optim``), in place."""
     grad_out = grad_out.to(torch.float32).contiguous()
     slots = lookup.slots
-    config = group.optim
+    config = optim.config
+    weights, state = storage.weights, storage.state
     if use_triton(slots.device):
         from torchrec_kvemb.kernels import group_pooled as kernel
 
         decay = config.weight_decay
+        steps = optim.device_steps.to(torch.float64)
         kernel.group_fused_backward_triton(
-            group.weights,
-            group.state,
+            weights,
+            state,
             grad_out,
             slots,
-            group.table_of(slots),
+            optim.table_of(slots),
             bags,
             _OPTIM_CODES[config.kind],
-            group.learning_rate_tensor(),
-            (1.0 - config.beta1 ** steps.to(torch.float64)).to(torch.float32),
-            (1.0 - config.beta2 ** steps.to(torch.float64)).to(torch.float32),
+            optim.learning_rates,
+            (1.0 - config.beta1**steps).to(torch.float32),
+            (1.0 - config.beta2**steps).to(torch.float32),
             config.eps,
             config.beta1,
             config.beta2,
@@ -257,32 +258,30 @@ def group_fused_backward(
             config.max_gradient,
         )
         return
-    lrs = group.learning_rates()
-    if fbgemm_supports(config, group.weights) and len(set(lrs)) == 1:
+    lrs = {c.learning_rate for c in optim.configs}
+    if fbgemm_supports(config, weights) and len(lrs) == 1:
         stored = slots >= 0
         if bags.scale is None and bool(stored.all()):
-            fused_backward_fbgemm(
-                grad_out, group.weights, group.state, slots, bags.offsets, None, config
-            )
+            fused_backward_fbgemm(grad_out, weights, state, slots, bags.offsets, None, config)
             return
         kept = torch.bincount(bags.bag_of[stored], minlength=bags.offsets.numel() - 1)
         offsets = torch.zeros_like(bags.offsets)
         torch.cumsum(kept, 0, out=offsets[1:])
         scale = bags.scale[stored] if bags.scale is not None else None
-        fused_backward_fbgemm(
-            grad_out, group.weights, group.state, slots[stored], offsets, scale, config
-        )
+        fused_backward_fbgemm(grad_out, weights, state, slots[stored], offsets, scale, config)
         return
     uniq, grads = group_pooled_backward_torch(grad_out, slots, bags)
-    for table, start in zip(group.tables, group.row_offsets, strict=True):
-        mine = ((uniq >= start) & (uniq < start + table.capacity)).nonzero().squeeze(1)
+    for start, rows, table_config, step in zip(
+        optim.row_offsets, optim.rows, optim.configs, optim.steps, strict=True
+    ):
+        mine = ((uniq >= start) & (uniq < start + rows)).nonzero().squeeze(1)
         optimizer_update_torch(
-            table.weights,
-            table.state,
+            weights[start : start + rows],
+            state[start : start + rows],
             uniq[mine] - start,
             grads[mine],
-            table.optim,
-            table.optim_step,
+            table_config,
+            step,
         )
 
 
