@@ -20,13 +20,13 @@ void ensure(bool ok) {
 
 }  // namespace
 
-void order_by_bucket(const int64_t* bucket, int64_t n, int64_t num_buckets, int64_t threads,
-                     BucketOrder* out) {
+void order_by_bucket(const int64_t* bucket, const int64_t* key, int64_t n, int64_t num_buckets,
+                     int64_t threads, Arena& arena, BucketOrder* out) {
   const int64_t parts = part_count(num_buckets);
   const int64_t slices = worker_count(n / kMinSlice + 1, threads);
-  Buffer<int64_t> cursor = make_buffer<int64_t>(slices * parts);  // [slice][part]
+  int64_t* cursor = arena.take<int64_t>(slices * parts);  // [slice][part]
   ensure(parallel_for(slices, threads, [&](int64_t s, int64_t) {
-    int64_t* count = cursor.get() + s * parts;
+    int64_t* count = cursor + s * parts;
     std::fill(count, count + parts, 0);
     for (int64_t i = slice_begin(n, slices, s), e = slice_begin(n, slices, s + 1); i < e; ++i) {
       if (bucket[i] >= 0) ++count[bucket[i] >> kPartShift];
@@ -36,7 +36,7 @@ void order_by_bucket(const int64_t* bucket, int64_t n, int64_t num_buckets, int6
   // Exclusive prefix in (part, slice) order: slice s of part p starts after
   // every earlier part and after the earlier slices of p (a stable scatter).
   out->parts = parts;
-  out->part_start = make_buffer<int64_t>(parts + 1);
+  out->part_start = arena.take<int64_t>(parts + 1);
   int64_t total = 0;
   for (int64_t p = 0; p < parts; ++p) {
     out->part_start[p] = total;
@@ -48,28 +48,25 @@ void order_by_bucket(const int64_t* bucket, int64_t n, int64_t num_buckets, int6
   }
   out->part_start[parts] = total;
 
-  Buffer<int64_t> staged = make_buffer<int64_t>(total);
+  Item* staged = arena.take<Item>(total);
   ensure(parallel_for(slices, threads, [&](int64_t s, int64_t) {
-    int64_t* next = cursor.get() + s * parts;
+    int64_t* next = cursor + s * parts;
     for (int64_t i = slice_begin(n, slices, s), e = slice_begin(n, slices, s + 1); i < e; ++i) {
-      if (bucket[i] >= 0) staged[next[bucket[i] >> kPartShift]++] = i;
+      if (bucket[i] >= 0) staged[next[bucket[i] >> kPartShift]++] = Item{bucket[i], key[i], i};
     }
   }));
 
-  out->order = make_buffer<int64_t>(total);
+  out->items = arena.take<Item>(total);
   ensure(parallel_for(parts, threads, [&](int64_t p, int64_t) {
     const int64_t begin = out->part_start[p], end = out->part_start[p + 1];
     if (begin == end) return;
     const int64_t first = p << kPartShift;
     const int64_t width = std::min(int64_t{1} << kPartShift, num_buckets - first);
     std::vector<int64_t> next(static_cast<size_t>(width) + 1, 0);
-    for (int64_t k = begin; k < end; ++k) ++next[bucket[staged[k]] - first + 1];
+    for (int64_t k = begin; k < end; ++k) ++next[staged[k].bucket - first + 1];
     next[0] = begin;
     for (int64_t b = 1; b <= width; ++b) next[b] += next[b - 1];
-    for (int64_t k = begin; k < end; ++k) {
-      const int64_t item = staged[k];
-      out->order[next[bucket[item] - first]++] = item;
-    }
+    for (int64_t k = begin; k < end; ++k) out->items[next[staged[k].bucket - first]++] = staged[k];
   }));
 }
 

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "parallel.h"
+#include "workspace.h"
 
 namespace kvemb {
 
@@ -20,16 +21,26 @@ inline int64_t part_count(int64_t num_buckets) {
   return (num_buckets + (int64_t{1} << kPartShift) - 1) >> kPartShift;
 }
 
+// One sorted item: its bucket and key (an id) travel with its index, so the
+// passes over the order read sequentially (why: gathering bucket and id
+// through the index cost ~35% of a training lookup on 327k ids).
+struct Item {
+  int64_t bucket;
+  int64_t key;
+  int64_t index;
+};
+
 struct BucketOrder {
-  Buffer<int64_t> order;       // item indices, by bucket then index
-  Buffer<int64_t> part_start;  // [parts + 1] into order
+  Item* items = nullptr;          // by bucket, then index
+  int64_t* part_start = nullptr;  // [parts + 1] into items
   int64_t parts = 0;
   int64_t size() const { return part_start[parts]; }
 };
 
-// Orders items [0, n) by bucket[i] in [0, num_buckets); items with bucket -1
-// are left out. Throws std::bad_alloc.
-void order_by_bucket(const int64_t* bucket, int64_t n, int64_t num_buckets, int64_t threads,
-                     BucketOrder* out);
+// Orders items [0, n) (bucket[i], key[i]) by bucket in [0, num_buckets);
+// items with bucket -1 are left out. Memory comes from ``arena``. Throws
+// std::bad_alloc.
+void order_by_bucket(const int64_t* bucket, const int64_t* key, int64_t n, int64_t num_buckets,
+                     int64_t threads, Arena& arena, BucketOrder* out);
 
 }  // namespace kvemb

@@ -14,6 +14,7 @@
 
 #include "kvemb_native.h"
 #include "parallel.h"
+#include "workspace.h"
 
 namespace kvemb {
 namespace {
@@ -87,13 +88,14 @@ struct Optimizer {
   }
 };
 
-int backward(const KvBackwardArgs& a) {
+int backward(const KvBackwardArgs& a, Arena& arena) {
   const int64_t n = a.n, U = a.num_unique, dim = a.dim;
   if (a.num_bags < 0 || a.offsets[0] != 0 || a.offsets[a.num_bags] != n || a.bags_per_group < 1) {
     return KV_BAD_ARGUMENT;
   }
   // Occurrences of each unique with a row, ascending: (occurrence, bag).
-  std::vector<int64_t> start(static_cast<size_t>(U) + 1, 0);
+  int64_t* start = arena.take<int64_t>(U + 1);
+  std::fill(start, start + U + 1, 0);
   for (int64_t b = 0; b < a.num_bags; ++b) {
     if (a.offsets[b + 1] < a.offsets[b]) return KV_BAD_ARGUMENT;
   }
@@ -107,10 +109,11 @@ int backward(const KvBackwardArgs& a) {
     if (slot >= a.num_rows || (slot >= 0 && (t < 0 || t >= a.num_tables))) return KV_BAD_ARGUMENT;
     start[u + 1] += start[u];
   }
-  Buffer<int64_t> occurrence = make_buffer<int64_t>(start[U]);
-  Buffer<int64_t> bag_of = make_buffer<int64_t>(start[U]);
+  int64_t* occurrence = arena.take<int64_t>(start[U]);
+  int64_t* bag_of = arena.take<int64_t>(start[U]);
   {
-    std::vector<int64_t> next(start.begin(), start.end() - 1);
+    int64_t* next = arena.take<int64_t>(U);
+    std::copy(start, start + U, next);
     for (int64_t b = 0; b < a.num_bags; ++b) {
       for (int64_t i = a.offsets[b]; i < a.offsets[b + 1]; ++i) {
         const int64_t u = a.unique_index[i];
@@ -154,7 +157,9 @@ int backward(const KvBackwardArgs& a) {
 extern "C" int kv_fused_backward_group(const KvBackwardArgs* args) {
   if (!args || args->n < 0 || args->num_unique < 0 || args->dim < 1) return KV_BAD_ARGUMENT;
   try {
-    return kvemb::backward(*args);
+    kvemb::ArenaLease lease(args->workspace ? &args->workspace->arena : nullptr,
+                            args->workspace ? &args->workspace->busy : nullptr);
+    return kvemb::backward(*args, lease.arena());
   } catch (const std::bad_alloc&) {
     return KV_OUT_OF_MEMORY;
   }

@@ -1,12 +1,22 @@
-// Entry points of the hashing primitives (tests compare them with the torch path).
+// Entry points of the hashing primitives (tests compare them with the torch
+// path), the ABI version and workspaces.
 #include "hashing.h"
 
 #include "kvemb_native.h"
 #include "parallel.h"
+#include "workspace.h"
 
 using namespace kvemb;
 
 extern "C" int kv_abi_version(void) { return KV_ABI_VERSION; }
+
+extern "C" KvWorkspace* kv_workspace_create(void) { return new (std::nothrow) KvWorkspace(); }
+
+extern "C" void kv_workspace_destroy(KvWorkspace* workspace) { delete workspace; }
+
+extern "C" int64_t kv_workspace_bytes(const KvWorkspace* workspace) {
+  return workspace ? workspace->arena.bytes() : 0;
+}
 
 extern "C" int kv_index_bucket(const int64_t* ids, int64_t n, int64_t num_buckets, int64_t* out) {
   if (num_buckets < 1) return KV_BAD_ARGUMENT;

@@ -46,6 +46,14 @@ enum KvMetric {
 
 int kv_abi_version(void);
 
+// Scratch memory an op may reuse across calls (see workspace.h); optional
+// (null: the call allocates its own). One call at a time uses it; a call
+// that finds it in use allocates its own.
+typedef struct KvWorkspace KvWorkspace;
+KvWorkspace* kv_workspace_create(void);
+void kv_workspace_destroy(KvWorkspace* workspace);
+int64_t kv_workspace_bytes(const KvWorkspace* workspace);
+
 // Index bucket of each id (ops/hashing.py index_bucket) in a table of
 // num_buckets buckets; exposed for tests of the multiply-high remainder.
 int kv_index_bucket(const int64_t* ids, int64_t n, int64_t num_buckets, int64_t* out);
@@ -96,6 +104,7 @@ typedef struct KvTrainArgs {
   const int64_t* custom_scores;  // [n] or null
   int64_t n;
   int64_t num_threads;
+  KvWorkspace* workspace;  // or null
   // Outputs. Unique and evicted arrays hold n entries (an upper bound);
   // sizes[0] / sizes[1] say how many are used.
   int64_t* slots;           // [n] global slot per occurrence, -1: no row
@@ -147,6 +156,7 @@ typedef struct KvBackwardArgs {
   int64_t gradient_clipping;
   double max_gradient;
   int64_t num_threads;
+  KvWorkspace* workspace;  // or null
 } KvBackwardArgs;
 
 int kv_fused_backward_group(const KvBackwardArgs* args);

@@ -23,11 +23,42 @@
 #include "hashing.h"
 #include "kvemb_native.h"
 #include "parallel.h"
+#include "workspace.h"
 
 namespace kvemb {
 namespace {
 
 enum : uint8_t { kInserted = 1, kAdmitted = 2 };
+
+// Which table owns a bucket: tables own disjoint bucket ranges of an index
+// (why not the occurrence's table_idx: a random read per bucket cost more
+// than half of the per-bucket work).
+class BucketOwner {
+ public:
+  void add(int64_t begin, int64_t end, int64_t table) { ranges_.push_back({begin, end, table}); }
+
+  // Sorts the ranges; false if two overlap.
+  bool finish() {
+    std::sort(ranges_.begin(), ranges_.end(),
+              [](const Range& a, const Range& b) { return a.begin < b.begin; });
+    for (size_t r = 1; r < ranges_.size(); ++r) {
+      if (ranges_[r].begin < ranges_[r - 1].end) return false;
+    }
+    return true;
+  }
+
+  int64_t operator()(int64_t bucket) const {
+    const auto after = std::upper_bound(ranges_.begin(), ranges_.end(), bucket,
+                                        [](int64_t b, const Range& r) { return b < r.begin; });
+    return (after - 1)->table;
+  }
+
+ private:
+  struct Range {
+    int64_t begin, end, table;
+  };
+  std::vector<Range> ranges_;
+};
 
 struct TableInfo {
   FastMod mod;
@@ -52,7 +83,7 @@ struct TableInfo {
 
 // One worker's scratch, reused bucket after bucket.
 struct Worker {
-  std::vector<std::pair<int64_t, int64_t>> misses;  // (id, position in order)
+  std::vector<std::pair<int64_t, int64_t>> misses;  // (id, position in the order)
   std::vector<NewId> new_ids;
   std::vector<int> way_of;  // counter phase: per waiting id, see count_bucket
   Placement placement;
@@ -70,7 +101,7 @@ void ensure(bool ok) {
 
 class TrainLookup {
  public:
-  explicit TrainLookup(const KvTrainArgs& args) : a_(args) {}
+  TrainLookup(const KvTrainArgs& args, Arena& arena) : a_(args), arena_(arena) {}
 
   int run() {
     std::fill(a_.metrics, a_.metrics + a_.num_tables * KV_NUM_METRICS, 0);
@@ -78,7 +109,7 @@ class TrainLookup {
     try {
       if (const int status = read_tables(); status != KV_OK) return status;
       if (const int status = hash_occurrences(); status != KV_OK) return status;
-      order_by_bucket(bucket_.get(), a_.n, a_.num_buckets_total, threads_, &occ_);
+      order_by_bucket(bucket_, a_.ids, a_.n, a_.num_buckets_total, threads_, arena_, &occ_);
       allocate();
       const int64_t parts = occ_.parts;
       ensure(parallel_for(parts, threads_, [&](int64_t p, int64_t w) { collect_part(p, w); }));
@@ -125,7 +156,12 @@ class TrainLookup {
       tab.init_native = a_.init_native[t] != 0;
       tab.init = UniformInit(a_.seed_mix[t], a_.init_low[t], a_.init_high[t]);
       tables_.push_back(tab);
+      owner_.add(tab.bucket_offset, tab.bucket_offset + a_.num_buckets[t], t);
+      if (tab.admission) {
+        counter_owner_.add(tab.counter_offset, tab.counter_offset + a_.counter_num_buckets[t], t);
+      }
     }
+    if (!owner_.finish() || !counter_owner_.finish()) return KV_BAD_ARGUMENT;
     workers_.resize(static_cast<size_t>(threads_));
     for (Worker& w : workers_) w.metrics.assign(static_cast<size_t>(T * KV_NUM_METRICS), 0);
     return KV_OK;
@@ -135,7 +171,7 @@ class TrainLookup {
   // table indices and ids before anything is modified.
   int hash_occurrences() {
     const int64_t n = a_.n, T = a_.num_tables;
-    bucket_ = make_buffer<int64_t>(n);
+    bucket_ = arena_.take<int64_t>(n);
     constexpr int64_t kPerTask = 1 << 14;
     std::vector<int> status(static_cast<size_t>(threads_), KV_OK);
     ensure(parallel_for((n + kPerTask - 1) / kPerTask, threads_, [&](int64_t task, int64_t w) {
@@ -159,17 +195,17 @@ class TrainLookup {
 
   void allocate() {
     const int64_t total = occ_.size(), parts = occ_.parts;
-    tag_ = make_buffer<int64_t>(total);
-    u_id_ = make_buffer<int64_t>(total);
-    u_bucket_ = make_buffer<int64_t>(total);
-    u_table_ = make_buffer<int64_t>(total);
-    u_count_ = make_buffer<int64_t>(total);
-    u_value_ = make_buffer<int64_t>(total);
-    u_slot_ = make_buffer<int64_t>(total);
-    u_way_ = make_buffer<int8_t>(total);
-    u_flags_ = make_buffer<uint8_t>(total);
-    e_id_ = make_buffer<int64_t>(total);
-    e_slot_ = make_buffer<int64_t>(total);
+    tag_ = arena_.take<int64_t>(total);
+    u_id_ = arena_.take<int64_t>(total);
+    u_bucket_ = arena_.take<int64_t>(total);
+    u_table_ = arena_.take<int64_t>(total);
+    u_count_ = arena_.take<int64_t>(total);
+    u_value_ = arena_.take<int64_t>(total);
+    u_slot_ = arena_.take<int64_t>(total);
+    u_way_ = arena_.take<int8_t>(total);
+    u_flags_ = arena_.take<uint8_t>(total);
+    e_id_ = arena_.take<int64_t>(total);
+    e_slot_ = arena_.take<int64_t>(total);
     n_unique_.assign(static_cast<size_t>(parts), 0);
     n_evicted_.assign(static_cast<size_t>(parts), 0);
     n_evicted_collect_.assign(static_cast<size_t>(parts), 0);
@@ -178,17 +214,16 @@ class TrainLookup {
   // ------------------------------------------------------------ 1. collect
   void collect_part(int64_t p, int64_t worker) {
     Worker& w = workers_[static_cast<size_t>(worker)];
-    const int64_t* order = occ_.order.get();
+    const Item* items = occ_.items;
     const int64_t end = occ_.part_start[p + 1];
-    constexpr int64_t kAhead = 16;  // occurrences: buckets visited ascending, a few ahead
+    constexpr int64_t kAhead = 32;  // occurrences: buckets visited ascending, a few ahead
     for (int64_t k = occ_.part_start[p]; k < end;) {
-      const int64_t bucket = bucket_[order[k]];
+      const int64_t bucket = items[k].bucket;
       int64_t k1 = k + 1;
-      while (k1 < end && bucket_[order[k1]] == bucket) ++k1;
+      while (k1 < end && items[k1].bucket == bucket) ++k1;
       if (k + kAhead < end) {
-        const int64_t ahead = bucket_[order[k + kAhead]];
-        prefetch_bucket(a_.keys + ahead * kWays);
-        prefetch_bucket(a_.scores + ahead * kWays);
+        prefetch_bucket(a_.keys + items[k + kAhead].bucket * kWays);
+        prefetch_bucket(a_.scores + items[k + kAhead].bucket * kWays);
       }
       collect_bucket(p, bucket, k, k1, w);
       k = k1;
@@ -210,15 +245,15 @@ class TrainLookup {
   // Occurrences at positions [k0, k1) of the order, all in ``bucket``.
   // Uniques: the stored ids in way order, then the new ids by id.
   void collect_bucket(int64_t p, int64_t bucket, int64_t k0, int64_t k1, Worker& w) {
-    const int64_t* order = occ_.order.get();
-    const int64_t t = a_.table_idx[order[k0]];
+    const Item* items = occ_.items;
+    const int64_t t = owner_(bucket);
     const TableInfo& tab = tables_[t];
     const int64_t* keys = a_.keys + bucket * kWays;
     int64_t count[kWays], top[kWays];
     uint32_t seen = 0;
     w.misses.clear();
     for (int64_t k = k0; k < k1; ++k) {
-      const int64_t i = order[k], id = a_.ids[i];
+      const int64_t id = items[k].key;
       const uint32_t found = match(keys, id);
       if (!found) {
         tag_[k] = -1;
@@ -232,7 +267,7 @@ class TrainLookup {
         top[way] = std::numeric_limits<int64_t>::min();
       }
       ++count[way];
-      if (tab.custom) top[way] = std::max(top[way], a_.custom_scores[i]);
+      if (tab.custom) top[way] = std::max(top[way], a_.custom_scores[items[k].index]);
       tag_[k] = way;
     }
 
@@ -259,7 +294,9 @@ class TrainLookup {
         while (g1 < misses.size() && misses[g1].first == misses[g].first) ++g1;
         int64_t top_score = std::numeric_limits<int64_t>::min();
         for (size_t j = g; j < g1; ++j) {
-          if (tab.custom) top_score = std::max(top_score, a_.custom_scores[order[misses[j].second]]);
+          if (tab.custom) {
+            top_score = std::max(top_score, a_.custom_scores[items[misses[j].second].index]);
+          }
           tag_[misses[j].second] = n_unique;
         }
         add_unique(base + n_unique++, misses[g].first, bucket, t, static_cast<int64_t>(g1 - g),
@@ -275,7 +312,7 @@ class TrainLookup {
   // counter bucket; ids seen often enough are admitted and leave the counter.
   void admit() {
     const int64_t total = occ_.size();
-    Buffer<int64_t> counter_bucket = make_buffer<int64_t>(total);
+    int64_t* counter_bucket = arena_.take<int64_t>(total);
     ensure(parallel_for(occ_.parts, threads_, [&](int64_t p, int64_t) {
       const int64_t base = occ_.part_start[p], used = base + n_unique_[p];
       for (int64_t pos = base; pos < occ_.part_start[p + 1]; ++pos) {
@@ -288,24 +325,26 @@ class TrainLookup {
       }
     }));
     BucketOrder waiting;
-    order_by_bucket(counter_bucket.get(), total, a_.counter_num_buckets_total, threads_, &waiting);
+    order_by_bucket(counter_bucket, u_id_, total, a_.counter_num_buckets_total, threads_, arena_,
+                    &waiting);
     ensure(parallel_for(waiting.parts, threads_, [&](int64_t p, int64_t worker) {
-      const int64_t* order = waiting.order.get();
+      const Item* items = waiting.items;
       const int64_t end = waiting.part_start[p + 1];
       for (int64_t k = waiting.part_start[p]; k < end;) {
-        const int64_t bucket = counter_bucket[order[k]];
         int64_t k1 = k + 1;
-        while (k1 < end && counter_bucket[order[k1]] == bucket) ++k1;
-        count_bucket(bucket, order + k, k1 - k, workers_[static_cast<size_t>(worker)]);
+        while (k1 < end && items[k1].bucket == items[k].bucket) ++k1;
+        count_bucket(items + k, k1 - k, workers_[static_cast<size_t>(worker)]);
         k = k1;
       }
     }));
   }
 
   // The counter insert of KVTable._admit for the waiting uniques ``u[0..m)``
-  // of one counter bucket: value = step, no accumulation, no keep_existing.
-  void count_bucket(int64_t bucket, const int64_t* u, int64_t m, Worker& w) {
-    const TableInfo& tab = tables_[u_table_[u[0]]];
+  // (items: counter bucket, id, unique position) of one counter bucket:
+  // value = step, no accumulation, no keep_existing.
+  void count_bucket(const Item* u, int64_t m, Worker& w) {
+    const int64_t bucket = u[0].bucket;
+    const TableInfo& tab = tables_[counter_owner_(bucket)];
     int64_t* keys = a_.counter_keys + bucket * kWays;
     int64_t* scores = a_.counter_scores + bucket * kWays;
     int64_t* counts = a_.counter_counts + bucket * kWays;
@@ -314,14 +353,14 @@ class TrainLookup {
     w.new_ids.clear();
     uint32_t hit_mask = 0;
     for (int64_t j = 0; j < m; ++j) {
-      const uint32_t found = match(keys, u_id_[u[j]]);
+      const uint32_t found = match(keys, u[j].key);
       if (found) {
         const int way = lowest_way(found);
         hit_mask |= 1u << way;
         scores[way] = tab.step;
         w.way_of[static_cast<size_t>(j)] = way;
       } else {
-        w.new_ids.push_back({u_id_[u[j]], tab.step, j});
+        w.new_ids.push_back({u[j].key, tab.step, j});
       }
     }
     if (!w.new_ids.empty()) {
@@ -334,14 +373,14 @@ class TrainLookup {
     }
     for (int64_t j = 0; j < m; ++j) {
       const int code = w.way_of[static_cast<size_t>(j)];
-      int64_t seen = u_count_[u[j]];
+      int64_t seen = u_count_[u[j].index];
       const int way = code & (kWays - 1);
       if (code >= 0) {
         if (code < kWays) seen += counts[way];  // a slot new to the id starts at 0
         counts[way] = seen;
       }
       if (seen >= tab.threshold) {
-        u_flags_[u[j]] |= kAdmitted;
+        u_flags_[u[j].index] |= kAdmitted;
         if (code >= 0) {
           keys[way] = kEmpty;
           scores[way] = 0;
@@ -447,7 +486,7 @@ class TrainLookup {
         a_.evicted_slots[out] = e_slot_[from];
       }
       for (int64_t k = base; k < occ_.part_start[p + 1]; ++k) {
-        const int64_t i_occ = occ_.order[k], local = tag_[k];
+        const int64_t i_occ = occ_.items[k].index, local = tag_[k];
         a_.slots[i_occ] = u_slot_[base + local];
         a_.unique_index[i_occ] = unique_base[p] + local;
       }
@@ -460,20 +499,23 @@ class TrainLookup {
   }
 
   const KvTrainArgs& a_;
+  Arena& arena_;  // every array below is taken from it
   std::vector<TableInfo> tables_;
+  BucketOwner owner_, counter_owner_;
   bool any_admission_ = false;
   int64_t threads_ = 1;
-  Buffer<int64_t> bucket_;  // [n] global bucket of each occurrence, -1: another group's
-  BucketOrder occ_;         // occurrences by bucket
-  Buffer<int64_t> tag_;     // per position of occ_.order: the part-local unique index
+  int64_t* bucket_ = nullptr;  // [n] global bucket of each occurrence, -1: another group's
+  BucketOrder occ_;            // occurrences by bucket
+  int64_t* tag_ = nullptr;     // per position of occ_.items: the part-local unique index
   // Uniques of part p at [occ_.part_start[p], + n_unique_[p]).
-  Buffer<int64_t> u_id_, u_bucket_, u_table_, u_count_, u_value_, u_slot_;
-  Buffer<int8_t> u_way_;  // the stored way before the call, -1: new
-  Buffer<uint8_t> u_flags_;
+  int64_t *u_id_ = nullptr, *u_bucket_ = nullptr, *u_table_ = nullptr;
+  int64_t *u_count_ = nullptr, *u_value_ = nullptr, *u_slot_ = nullptr;
+  int8_t* u_way_ = nullptr;  // the stored way before the call, -1: new
+  uint8_t* u_flags_ = nullptr;
   std::vector<int64_t> n_unique_;
   // Evictions of part p at [occ_.part_start[p], + n_evicted_[p]): the
   // collect phase's first (n_evicted_collect_), then the settle phase's.
-  Buffer<int64_t> e_id_, e_slot_;
+  int64_t *e_id_ = nullptr, *e_slot_ = nullptr;
   std::vector<int64_t> n_evicted_, n_evicted_collect_;
   std::vector<Worker> workers_;
 };
@@ -485,5 +527,11 @@ extern "C" int kv_lookup_train_group(const KvTrainArgs* args) {
   if (!args || args->n < 0 || args->num_tables < 0 || args->dim < 1 || args->state_dim < 0) {
     return KV_BAD_ARGUMENT;
   }
-  return kvemb::TrainLookup(*args).run();
+  try {
+    kvemb::ArenaLease lease(args->workspace ? &args->workspace->arena : nullptr,
+                            args->workspace ? &args->workspace->busy : nullptr);
+    return kvemb::TrainLookup(*args, lease.arena()).run();
+  } catch (const std::bad_alloc&) {
+    return KV_OUT_OF_MEMORY;
+  }
 }
