@@ -20,6 +20,20 @@ namespace kvemb {
 namespace {
 
 constexpr int64_t kUniquesPerTask = 1024;
+// Rows prefetched ahead: the update is a read-modify-write of rows scattered
+// over the table, so each row's miss is started a few uniques early.
+constexpr int64_t kRowsAhead = 4;
+
+inline void prefetch_bytes(const void* p, int64_t bytes, bool write) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) {
+    if (write) {
+      __builtin_prefetch(c + b, 1);
+    } else {
+      __builtin_prefetch(c + b, 0);
+    }
+  }
+}
 
 struct Optimizer {
   int64_t kind;
@@ -128,7 +142,21 @@ int backward(const KvBackwardArgs& a, Arena& arena) {
   const int64_t tasks = (U + kUniquesPerTask - 1) / kUniquesPerTask;
   const bool ok = parallel_for(tasks, a.num_threads, [&](int64_t task, int64_t) {
     std::vector<float> grad(static_cast<size_t>(dim));
+    const int64_t row_bytes = dim * 4, state_bytes = a.state_dim * 4;
+    auto grad_row = [&](int64_t b) {
+      return a.grad + (b / a.bags_per_group) * a.group_stride + (b % a.bags_per_group) * a.bag_stride;
+    };
     for (int64_t u = task * kUniquesPerTask, end = std::min(U, u + kUniquesPerTask); u < end; ++u) {
+      if (u + kRowsAhead < end && a.unique_slots[u + kRowsAhead] >= 0) {
+        const int64_t ahead = a.unique_slots[u + kRowsAhead];
+        prefetch_bytes(a.weights + ahead * dim, row_bytes, true);
+        if (state_bytes) prefetch_bytes(a.state + ahead * a.state_dim, state_bytes, true);
+      }
+      if (u + 1 < end) {  // the next unique's first gradient rows (all of them for most)
+        for (int64_t e = start[u + 1]; e < std::min(start[u + 2], start[u + 1] + 8); ++e) {
+          prefetch_bytes(grad_row(bag_of[e]), row_bytes, false);
+        }
+      }
       const int64_t slot = a.unique_slots[u];
       if (slot < 0) continue;
       std::fill(grad.begin(), grad.end(), 0.0f);
@@ -139,8 +167,7 @@ int backward(const KvBackwardArgs& a, Arena& arena) {
           const int64_t length = a.offsets[b + 1] - a.offsets[b];
           scale = scale / static_cast<float>(std::max<int64_t>(length, 1));
         }
-        const float* row = a.grad + (b / a.bags_per_group) * a.group_stride +
-                           (b % a.bags_per_group) * a.bag_stride;
+        const float* row = grad_row(b);
         for (int64_t d = 0; d < dim; ++d) grad[d] += row[d] * scale;
       }
       const int64_t t = a.unique_table[u];
