@@ -14,6 +14,7 @@ skip, without it. ``test_fallback_*`` force the unavailable path.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -181,9 +182,7 @@ class Batch:
             scores = self.custom[t] if t < len(self.ids) else None
             custom.append(scores if scores is not None else torch.zeros_like(part))
             within.append(torch.arange(part.numel()))
-        ids, table_idx, custom, within = (
-            torch.cat(x) for x in (ids, table_idx, custom, within)
-        )
+        ids, table_idx, custom, within = (torch.cat(x) for x in (ids, table_idx, custom, within))
         order = (
             torch.randperm(ids.numel(), generator=generator)
             if generator is not None
@@ -333,7 +332,8 @@ def test_lookup_train_matches_tables(name: str) -> None:
             sizes[0] = None  # a table absent from the batch
         if step == 4:
             sizes = [0] * T  # every table present with no ids
-        train_both(group, random_batch(group, gen, sizes), num_threads=2, gen=gen)
+        id_range = 60 if step % 2 else 300  # odd steps: mostly stored ids (hits)
+        train_both(group, random_batch(group, gen, sizes, id_range), num_threads=2, gen=gen)
 
 
 def test_empty_batch() -> None:
@@ -353,8 +353,9 @@ def test_more_new_ids_than_ways_in_one_bucket() -> None:
     group = Group([Spec(16, LRU), Spec(16, LFU), Spec(16, CUSTOM), Spec(16, NONE)])
     gen = torch.Generator().manual_seed(3)
     ids = torch.arange(1000, 1040)
+    repeated = torch.repeat_interleave(ids, torch.randint(1, 5, (40,), generator=gen))
     batch = Batch(
-        ids=[ids, torch.repeat_interleave(ids, torch.randint(1, 5, (40,), generator=gen)), ids, ids],
+        ids=[ids, repeated, ids, ids],
         custom=[None, None, torch.randint(0, 6, (40,), generator=gen), None],
         foreign=torch.tensor([1000, 1001]),
     )
@@ -619,9 +620,7 @@ def test_bad_table_index_and_tensors_are_refused() -> None:
     ids = torch.tensor([3, 4])
     args = (group.layout, group.keys, group.scores, group.weights, group.state)
     with pytest.raises(ValueError, match="table_idx"):
-        native.lookup_train_group(
-            *args, ids, torch.tensor([0, 5]), [1] * 5, counter=group.counter
-        )
+        native.lookup_train_group(*args, ids, torch.tensor([0, 5]), [1] * 5, counter=group.counter)
     with pytest.raises(ValueError, match="counter"):
         native.lookup_train_group(*args, ids, torch.tensor([0, 1]), [1] * 5)
     with pytest.raises(ValueError, match="ids must be torch.int64"):
@@ -637,9 +636,7 @@ def test_bad_table_index_and_tensors_are_refused() -> None:
             torch.tensor([0, 1]),
         )
     with pytest.raises(ValueError, match="step must have 5 entries"):
-        native.lookup_train_group(
-            *args, ids, torch.tensor([0, 1]), [1] * 4, counter=group.counter
-        )
+        native.lookup_train_group(*args, ids, torch.tensor([0, 1]), [1] * 4, counter=group.counter)
 
 
 # ----------------------------------------------------------------- fallback
@@ -663,3 +660,56 @@ def test_use_native_follows_the_backend_setting(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("TORCHREC_KVEMB_BACKEND", "auto")
     assert native.use_native("cpu")
     assert not native.use_native("meta")
+
+
+# ---------------------------------------------------------------- workspace
+def test_one_workspace_serves_two_groups() -> None:
+    """Two groups of different sizes take turns on one Workspace: the same
+    results as calls that allocate their own scratch."""
+    specs_a = GROUPS["admission-thresholds-1-2-3"]
+    specs_b = [Spec(16 * 80, LFU), Spec(16 * 3, LRU, threshold=2)]
+    shared = native.Workspace()
+    runs = {}
+    for workspace in (None, shared):
+        groups = [Group(specs_a), Group(specs_b)]
+        gen = torch.Generator().manual_seed(2)
+        outputs = []
+        for step in range(6):
+            group = groups[step % 2]
+            batch = random_batch(group, gen, [300] * len(group.tables), id_range=3000)
+            ids, table_idx, custom, _ = batch.flat(gen)
+            outputs.append(
+                native.lookup_train_group(
+                    group.layout,
+                    group.keys,
+                    group.scores,
+                    group.weights,
+                    group.state,
+                    ids,
+                    table_idx,
+                    [step + 1] * len(group.tables),
+                    custom,
+                    counter=group.counter,
+                    num_threads=2,
+                    workspace=workspace,
+                )  # fmt: skip
+            )
+        runs[workspace is None] = (outputs, [g.clone_arrays() for g in groups])
+    assert shared.nbytes > 0
+    (out_own, arrays_own), (out_shared, arrays_shared) = runs[True], runs[False]
+    for step, (a, b) in enumerate(zip(out_own, out_shared)):
+        for field in native.TrainLookup._fields:
+            assert torch.equal(getattr(a, field), getattr(b, field)), f"step {step}: {field}"
+    for own, shared_arrays in zip(arrays_own, arrays_shared):
+        for name in own:
+            assert torch.equal(own[name], shared_arrays[name]), name
+
+
+def test_overlapping_table_ranges_are_refused() -> None:
+    group = Group([Spec(32, LRU), Spec(32, LFU)])
+    layout = dataclasses.replace(group.layout, bucket_offset=torch.tensor([0, 1]))
+    with pytest.raises(native.NativeOpError, match="inconsistent"):
+        native.lookup_train_group(
+            layout, group.keys, group.scores, group.weights, group.state,
+            torch.tensor([1, 2]), torch.tensor([0, 1]), [1, 1],
+        )  # fmt: skip
