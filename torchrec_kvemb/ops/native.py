@@ -30,7 +30,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.machinery
-import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +44,7 @@ from torchrec_kvemb.optimizer import FusedOptimConfig, OptimKind
 from torchrec_kvemb.options import WAYS, EvictionPolicy
 from torchrec_kvemb.validation import KVInputError
 
-#: The shared library's module name inside the package (built from csrc/).
+#: The shared library's extension name (setup.py builds csrc/ into it).
 LIBRARY = "torchrec_kvemb._kvemb_native"
 #: Must equal KV_ABI_VERSION in csrc/kvemb_native.h.
 ABI_VERSION = 1
@@ -167,13 +166,11 @@ class _BackwardArgs(ctypes.Structure):
 
 
 def library_path() -> Path | None:
-    """Where the built library is, or None (not built: no compiler at install time)."""
-    try:
-        spec = importlib.util.find_spec(LIBRARY)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None and spec.origin and Path(spec.origin).is_file():
-        return Path(spec.origin)
+    """Where the built library is, or None (not built: no compiler at install time).
+
+    Only beside the imported package (why not ``importlib.util.find_spec``: an
+    editable install's finder answers for its own source tree even when
+    another copy of the package is the one imported)."""
     package_dir = Path(__file__).resolve().parent.parent
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = package_dir / f"_kvemb_native{suffix}"
