@@ -5,12 +5,17 @@ with ctypes by torchrec_kvemb/ops/native.py. The extension is optional: where
 no C++ compiler works the package still installs, ``native.available()`` is
 False and the torch path runs (docs/native.md).
 
-Portable flags only (no -march=native): the library may be built on one
-machine and run on another. ``TORCHREC_KVEMB_NATIVE_FLAGS`` adds flags, e.g.
-``-march=native`` for a build that stays on its machine.
+No -march=native: a wheel may be built on one machine and run on another.
+On x86-64 the same sources are built twice, portable (SSE2) and with AVX2,
+as two self-contained libraries (why not one library with both: inline and
+template code compiled with -mavx2 could be merged into the portable code at
+link time); native.py loads the AVX2 one where the CPU has AVX2.
+``TORCHREC_KVEMB_NATIVE_FLAGS`` adds flags to both (e.g. -march=native for a
+build that stays on its machine).
 """
 
 import os
+import platform
 from glob import glob
 
 from setuptools import Extension, setup
@@ -25,15 +30,26 @@ CXX_FLAGS = [
     "-pthread",
 ]
 
-native = Extension(
-    "torchrec_kvemb._kvemb_native",
-    sources=sorted(glob("csrc/*.cpp")),
-    depends=sorted(glob("csrc/*.h")),
-    include_dirs=["csrc"],
-    language="c++",
-    extra_compile_args=CXX_FLAGS + os.environ.get("TORCHREC_KVEMB_NATIVE_FLAGS", "").split(),
-    extra_link_args=["-pthread"],
-    optional=True,
-)
+EXTRA_FLAGS = os.environ.get("TORCHREC_KVEMB_NATIVE_FLAGS", "").split()
 
-setup(ext_modules=[native])
+
+def native_library(name: str, flags: list[str]) -> Extension:
+    return Extension(
+        f"torchrec_kvemb.{name}",
+        sources=sorted(glob("csrc/*.cpp")),
+        depends=sorted(glob("csrc/*.h")),
+        include_dirs=["csrc"],
+        language="c++",
+        extra_compile_args=CXX_FLAGS + flags + EXTRA_FLAGS,
+        extra_link_args=["-pthread"],
+        optional=True,
+    )
+
+
+libraries = [native_library("_kvemb_native", [])]
+if platform.machine().lower() in ("x86_64", "amd64"):
+    # why: the AVX2 build runs find-or-insert ~25% faster (probe, initial rows).
+    libraries.append(native_library("_kvemb_native_avx2", ["-mavx2"]))
+
+# why parallel: the two builds compile side by side (~5 s instead of ~9 s on 2 cores).
+setup(ext_modules=libraries, options={"build_ext": {"parallel": True}})

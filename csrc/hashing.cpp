@@ -10,6 +10,22 @@ using namespace kvemb;
 
 extern "C" int kv_abi_version(void) { return KV_ABI_VERSION; }
 
+extern "C" int kv_cpu_has_avx2(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  return __builtin_cpu_supports("avx2") ? 1 : 0;  // cpuid and the OS's saved AVX state
+#else
+  return 0;
+#endif
+}
+
+extern "C" int kv_build_has_avx2(void) {
+#if defined(__AVX2__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 extern "C" KvWorkspace* kv_workspace_create(void) { return new (std::nothrow) KvWorkspace(); }
 
 extern "C" void kv_workspace_destroy(KvWorkspace* workspace) { delete workspace; }

@@ -46,6 +46,10 @@ enum KvMetric {
 
 int kv_abi_version(void);
 
+// Whether this CPU runs AVX2 code, and whether this build is the AVX2 one.
+int kv_cpu_has_avx2(void);
+int kv_build_has_avx2(void);
+
 // Scratch memory an op may reuse across calls (see workspace.h); optional
 // (null: the call allocates its own). One call at a time uses it; a call
 // that finds it in use allocates its own.

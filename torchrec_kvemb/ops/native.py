@@ -165,25 +165,39 @@ class _BackwardArgs(ctypes.Structure):
     ]
 
 
-def library_path() -> Path | None:
-    """Where the built library is, or None (not built: no compiler at install time).
+#: Builds of the library: ``portable`` (SSE2 on x86-64) everywhere, ``avx2``
+#: beside it on x86-64 (the same sources with -mavx2, same results; setup.py).
+VARIANTS = ("portable", "avx2")
+_FILE_NAMES = {"portable": "_kvemb_native", "avx2": "_kvemb_native_avx2"}
+
+
+def library_path(variant: str = "portable") -> Path | None:
+    """Where a build of the library is, or None (not built: no compiler at install time).
 
     Only beside the imported package (why not ``importlib.util.find_spec``: an
     editable install's finder answers for its own source tree even when
     another copy of the package is the one imported)."""
     package_dir = Path(__file__).resolve().parent.parent
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = package_dir / f"_kvemb_native{suffix}"
+        path = package_dir / f"{_FILE_NAMES[variant]}{suffix}"
         if path.is_file():
             return path
     return None
 
 
+def built_variants() -> tuple[str, ...]:
+    """The builds present that this CPU can run."""
+    lib, _ = load_variant("portable")
+    runs = {"portable": True, "avx2": lib is not None and bool(lib.kv_cpu_has_avx2())}
+    return tuple(v for v in VARIANTS if runs[v] and library_path(v) is not None)
+
+
 @functools.cache
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    path = library_path()
+def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
+    """One build of the library, loaded: ``(library, None)`` or ``(None, why not)``."""
+    path = library_path(variant)
     if path is None:
-        return None, "the native library was not built (no C++ compiler at install time?)"
+        return None, f"the native library ({variant}) was not built (no C++ compiler at install?)"
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
@@ -213,9 +227,28 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib.kv_lookup_eval_group,
         lib.kv_lookup_train_group,
         lib.kv_fused_backward_group,
+        lib.kv_cpu_has_avx2,
+        lib.kv_build_has_avx2,
     ):
         fn.restype = c_int
     return lib, None
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    """The library the ops use: the AVX2 build where the CPU runs it, else the portable one."""
+    variants = built_variants()
+    if not variants:
+        return None, load_variant("portable")[1]
+    return load_variant(variants[-1])
+
+
+def variant() -> str | None:
+    """Which build the ops use (``portable`` / ``avx2``), None when unavailable."""
+    lib = _load()[0]
+    if lib is None:
+        return None
+    return "avx2" if lib.kv_build_has_avx2() else "portable"
 
 
 def available() -> bool:
@@ -759,21 +792,24 @@ __all__ = [
     "NativeOpError",
     "TrainLookup",
     "Workspace",
+    "VARIANTS",
     "available",
+    "built_variants",
     "fused_backward_group",
     "index_bucket",
     "init_uniform",
     "library_path",
+    "load_variant",
     "lookup_eval_group",
     "lookup_train_group",
     "unavailable_reason",
     "use_native",
+    "variant",
 ]
 
 
 if __name__ == "__main__":  # one line for install logs: ``python -m torchrec_kvemb.ops.native``
-    print(
-        f"native kernels: {library_path()}"
-        if available()
-        else f"native kernels: no ({unavailable_reason()})"
-    )
+    if available():
+        print(f"native kernels: {variant()} build in use; built: {', '.join(built_variants())}")
+    else:
+        print(f"native kernels: no ({unavailable_reason()})")
