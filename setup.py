@@ -19,6 +19,7 @@ import platform
 from glob import glob
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 CXX_FLAGS = [
     "-std=c++17",
@@ -51,5 +52,18 @@ if platform.machine().lower() in ("x86_64", "amd64"):
     # why: the AVX2 build runs find-or-insert ~25% faster (probe, initial rows).
     libraries.append(native_library("_kvemb_native_avx2", ["-mavx2"]))
 
-# why parallel: the two builds compile side by side (~5 s instead of ~9 s on 2 cores).
-setup(ext_modules=libraries, options={"build_ext": {"parallel": True}})
+
+class BuildNative(build_ext):
+    """Each build compiles into a directory of its own: the builds share their
+    sources, so with one directory the second would reuse the first's objects."""
+
+    def build_extension(self, ext: Extension) -> None:
+        shared = self.build_temp
+        self.build_temp = os.path.join(shared, ext.name)
+        try:
+            super().build_extension(ext)
+        finally:
+            self.build_temp = shared
+
+
+setup(ext_modules=libraries, cmdclass={"build_ext": BuildNative})

@@ -32,6 +32,8 @@ assert torchrec_kvemb.__file__.startswith({site!r}), torchrec_kvemb.__file__
 slots = KVTable("t", 4, KVTableOptions(capacity=32)).lookup_train(torch.tensor([5, 6, 5]))
 assert slots[0] == slots[2] >= 0
 print("available", native.available(), native.unavailable_reason())
+built = [v for v in native.VARIANTS if native.library_path(v)]
+print("avx2 code per build", [native.load_variant(v)[0].kv_build_has_avx2() for v in built])
 """
 
 
@@ -79,5 +81,7 @@ def test_wheel_build_and_fallback(tmp_path: Path, compiler: str) -> None:
     out = run([sys.executable, "-c", CHECK.format(site=str(site))], check_env, tmp_path)
     if compiler == "without-compiler":
         assert "available False" in out and "was not built" in out, out
-    else:
+    else:  # each build compiled from its own objects: only the AVX2 one has AVX2 code
         assert "available True None" in out, out
+        x86 = platform.machine().lower() in ("x86_64", "amd64")
+        assert f"avx2 code per build {[0, 1] if x86 else [0]}" in out, out

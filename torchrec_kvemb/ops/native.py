@@ -461,6 +461,8 @@ class GroupTables:
     init_high: torch.Tensor  # [T] float64
     init_specs: tuple[InitSpec, ...]
     policies: tuple[EvictionPolicy, ...]
+    any_admission: bool  # some table has admission_threshold > 1
+    any_normal: bool  # some table's new rows are filled by the torch path (NORMAL)
 
     @classmethod
     def build(
@@ -503,6 +505,8 @@ class GroupTables:
             init_high=torch.tensor([float(s.b) for s in init], **f64),
             init_specs=tuple(init),
             policies=tuple(policies),
+            any_admission=any(t > 1 for t in thresholds),
+            any_normal=any(s.normal for s in init),
         )
 
     @property
@@ -595,7 +599,7 @@ def lookup_train_group(
         num_threads=_threads(num_threads),
         workspace=_workspace_handle(workspace),
     )
-    if bool((tables.admission_threshold > 1).any()):
+    if tables.any_admission:
         if counter is None:
             raise ValueError("lookup_train_group: tables with admission need the counter index")
         ncb = counter.keys.shape[0] if counter.keys.dim() == 2 else -1
@@ -668,7 +672,7 @@ def lookup_train_group(
         evicted_slots[:e],
         metrics,
     )
-    if not bool(tables.init_native.all()):
+    if tables.any_normal:
         _fill_normal_rows(tables, weights, result)
     return result
 
