@@ -24,6 +24,8 @@ import torch
 from torchrec_kvemb.lookup import apply_gradients
 from torchrec_kvemb.ops import native
 from torchrec_kvemb.ops.hashing import INT64_MAX, index_bucket, init_rows
+from torchrec_kvemb.ops.insert import insert_torch
+from torchrec_kvemb.ops.pooled_lookup import InitSpec
 from torchrec_kvemb.optimizer import FusedOptimConfig, OptimKind, WeightDecay
 from torchrec_kvemb.options import WAYS, EvictionPolicy, Initializer, KVTableOptions
 from torchrec_kvemb.table import KVTable
@@ -726,3 +728,47 @@ def test_overlapping_table_ranges_are_refused() -> None:
             layout, group.keys, group.scores, group.weights, group.state,
             torch.tensor([1, 2]), torch.tensor([0, 1]), [1, 1],
         )  # fmt: skip
+
+
+# --------------------------------------------------------- ties, bucket by bucket
+@pytest.mark.parametrize("policy", [LRU, LFU, CUSTOM, NONE], ids=lambda p: p.name)
+def test_tie_heavy_buckets_match_insert_torch(policy: EvictionPolicy) -> None:
+    """Crafted one- and two-bucket indexes with scores in 0..3 (ties everywhere)
+    and batches of repeated ids: the group op against ``insert_torch`` on the
+    de-duplicated batch, the values computed as ``KVTable.lookup_train`` does."""
+    gen = torch.Generator().manual_seed(list(EvictionPolicy).index(policy))
+    pool = torch.arange(400)
+    spec = InitSpec(0, False, 0.0, 1.0)
+    layout = {nb: native.GroupTables.build([nb], [policy], [spec]) for nb in (1, 2)}
+    for trial in range(80):
+        nb = 1 + trial % 2
+        keys = torch.full((nb, WAYS), -1, dtype=torch.int64)
+        scores = torch.zeros_like(keys)
+        home = index_bucket(pool, nb)
+        for b in range(nb):
+            mine = pool[home == b]
+            k = int(torch.randint(0, WAYS + 1, (1,), generator=gen))
+            ways = torch.randperm(WAYS, generator=gen)[:k]
+            keys[b, ways] = mine[torch.randperm(mine.numel(), generator=gen)[:k]]
+            scores[b, ways] = torch.randint(0, 4, (k,), generator=gen)
+        n = int(torch.randint(0, 50, (1,), generator=gen))
+        ids = pool[torch.randint(0, 120, (n,), generator=gen)]
+        custom = torch.randint(0, 4, ids.shape, generator=gen)
+        step = int(torch.randint(0, 5, (1,), generator=gen))
+        uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+        if policy == LFU:
+            values = counts
+        elif policy == CUSTOM:
+            values = torch.full_like(uniq, -(2**63)).scatter_reduce_(0, inverse, custom, "amax")
+        else:
+            values = torch.full_like(uniq, step)
+        want_keys, want_scores = keys.clone(), scores.clone()
+        want = insert_torch(want_keys, want_scores, uniq, values, policy == LFU, policy == NONE)
+        out = native.lookup_train_group(
+            layout[nb], keys, scores, torch.zeros(nb * WAYS, 2), torch.zeros(nb * WAYS, 0),
+            ids, torch.zeros_like(ids), [step], custom, num_threads=1,
+        )  # fmt: skip
+        at = f"trial {trial}"
+        assert torch.equal(keys, want_keys) and torch.equal(scores, want_scores), at
+        assert torch.equal(out.slots, want.slots[inverse]), at
+        assert sorted(out.evicted_ids.tolist()) == sorted(want.evicted_ids.tolist()), at
