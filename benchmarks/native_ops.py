@@ -8,7 +8,8 @@ One process, the same batches for both sides:
 * ``native``: the same tables as one group (``ops.native``), one call for all
   tables: ``lookup_train_group``, ``lookup_eval_group``,
   ``fused_backward_group``, with ``torch.get_num_threads()`` threads;
-  ``native 1 thread`` the same calls on one thread.
+  ``native 1 thread`` the same calls on one thread (find-or-insert on a group
+  of its own, so that each side meets every batch's new ids itself).
 
 Both sides are primed with the same training batches. Find-or-insert is timed
 on fresh batches (new ids arrive, rows are evicted once the tables fill),
@@ -247,18 +248,22 @@ def _run(config: BenchConfig, verbose: bool) -> BenchResult:
     grad = torch.randn(
         config.batch, config.tables * config.dim, generator=torch.Generator().manual_seed(1)
     )
-    torch_side, native_side = TorchSide(config), NativeSide(config)
+    # Each find-or-insert system has its own tables (why: on shared tables the
+    # second to run a batch finds the ids the first inserted).
+    torch_side = TorchSide(config)
+    native_side, native_1_side = NativeSide(config), NativeSide(config)
     _log(f"built inputs and tables in {time.perf_counter() - begin:.1f}s", verbose)
     for batch in prime:
         torch_side.train(batch)
         native_side.train(batch, threads)
+        native_1_side.train(batch, 1)
     _log(f"primed with {config.prime} batches ({time.perf_counter() - begin:.0f}s)", verbose)
 
     inserts: list[int] = []
 
-    def native_train(t: int) -> Callable[[int], object]:
+    def native_train(side: NativeSide, t: int) -> Callable[[int], object]:
         def step(i: int) -> None:
-            out = native_side.train(fresh[i % len(fresh)], t)
+            out = side.train(fresh[i % len(fresh)], t)
             inserts.append(int(out.metrics[:, 2].sum()))
 
         return step
@@ -267,8 +272,8 @@ def _run(config: BenchConfig, verbose: bool) -> BenchResult:
         "find-or-insert": time_interleaved(
             {
                 TORCH: lambda i: torch_side.train(fresh[i % len(fresh)]),
-                NATIVE: native_train(threads),
-                NATIVE_1: native_train(1),
+                NATIVE: native_train(native_side, threads),
+                NATIVE_1: native_train(native_1_side, 1),
             },
             config.steps,
             config.repeats,
@@ -286,6 +291,7 @@ def _run(config: BenchConfig, verbose: bool) -> BenchResult:
         ),
     }
     _log(f"timed lookups ({time.perf_counter() - begin:.0f}s so far)", verbose)
+    del native_1_side  # find and backward: one group (read-only / one fixed lookup)
     last = held_out[0]
     torch_slots = torch_side.train(last)
     lookup = native_side.train(last, threads)
@@ -360,7 +366,8 @@ def summary(result: BenchResult) -> str:
         f"{c.tables} tables x {c.rows:,} rows x dim {c.dim}, {c.ids_per_step:,} Zipf({c.alpha}) "
         f"ids a step over [0, {c.id_range or c.rows:,}) per table "
         f"({result.uniques_per_step:,.0f} unique, {result.new_rows_per_step:,.0f} new rows a "
-        f"find-or-insert step); row-wise Adagrad; {torch.get_num_threads()} threads"
+        f"find-or-insert step); row-wise Adagrad; {torch.get_num_threads()} threads; "
+        f"native build: {native.variant()}"
     )
 
 

@@ -77,7 +77,9 @@ struct UniformInit {
     const uint64_t base = fmix64(static_cast<uint64_t>(id) ^ seed_mix);
     for (int64_t j = 0; j < dim; ++j) {
       const uint64_t bits = fmix64(base + static_cast<uint64_t>(j + 1) * kGolden);
-      const float u = static_cast<float>((bits >> 40) & 0xFFFFFF) * (1.0f / 16777216.0f);
+      // 24 bits: exact through int32 (why: int32 -> float vectorizes, uint64 -> float does not).
+      const int32_t u24 = static_cast<int32_t>((bits >> 40) & 0xFFFFFF);
+      const float u = static_cast<float>(u24) * (1.0f / 16777216.0f);
       row[j] = u * scale + shift;
     }
   }

@@ -229,6 +229,7 @@ class TrainLookup {
       k = k1;
     }
     n_evicted_collect_[p] = n_evicted_[p];
+    if (!any_admission_) write_new_rows(occ_.part_start[p], occ_.part_start[p] + n_unique_[p]);
   }
 
   void add_unique(int64_t pos, int64_t id, int64_t bucket, int64_t t, int64_t count, int64_t top,
@@ -400,6 +401,7 @@ class TrainLookup {
       if (tables_[u_table_[pos]].admission) settle_bucket(p, u_bucket_[pos], pos, e, w);
       pos = e;
     }
+    write_new_rows(base, end);  // every table's: the collect phase left them
   }
 
   // The main insert for the uniques [u0, u1) of one bucket: hits are scored,
@@ -434,7 +436,6 @@ class TrainLookup {
     Placement& placed = w.placement;
     place_new(keys, scores, hit_mask, tab.keep_existing, w.new_ids.data(),
               static_cast<int64_t>(w.new_ids.size()), &placed);
-    const int64_t dim = a_.dim, state_dim = a_.state_dim;
     for (size_t r = 0; r < w.new_ids.size(); ++r) {
       const int64_t u = w.new_ids[r].ref;
       const int way = placed.way[r];
@@ -443,12 +444,9 @@ class TrainLookup {
         ++metrics[KV_INSERT_FAILURES];
         continue;
       }
-      const int64_t slot = bucket * kWays + way;
-      u_slot_[u] = slot;
+      u_slot_[u] = bucket * kWays + way;
       u_flags_[u] |= kInserted;
       ++metrics[KV_INSERTS];
-      if (tab.init_native) tab.init.fill(a_.weights + slot * dim, dim, u_id_[u]);
-      if (state_dim) std::memset(a_.state + slot * state_dim, 0, sizeof(float) * state_dim);
     }
     const int64_t at = occ_.part_start[p] + n_evicted_[p];
     for (int e = 0; e < placed.n_evicted; ++e) {
@@ -457,6 +455,29 @@ class TrainLookup {
     }
     n_evicted_[p] += placed.n_evicted;
     metrics[KV_EVICTIONS] += placed.n_evicted;
+  }
+
+  // New rows of the uniques [u0, u1) inserted in this call: initial weights
+  // (uniform tables) and zero state. A pass of its own, after the part's
+  // buckets are settled (why: written right at insert time, each row's
+  // cache misses stalled the insert; here rows are prefetched a few ahead).
+  void write_new_rows(int64_t u0, int64_t u1) {
+    const int64_t dim = a_.dim, state_dim = a_.state_dim;
+    constexpr int64_t kAhead = 4;
+    for (int64_t u = u0; u < u1; ++u) {
+      if (u + kAhead < u1 && (u_flags_[u + kAhead] & kInserted)) {
+        const int64_t ahead = u_slot_[u + kAhead];
+        for (int64_t b = 0; b < dim * 4; b += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(a_.weights + ahead * dim) + b, 1);
+        }
+        if (state_dim) __builtin_prefetch(a_.state + ahead * state_dim, 1);
+      }
+      if (!(u_flags_[u] & kInserted)) continue;
+      const int64_t slot = u_slot_[u];
+      const TableInfo& tab = tables_[u_table_[u]];
+      if (tab.init_native) tab.init.fill(a_.weights + slot * dim, dim, u_id_[u]);
+      if (state_dim) std::memset(a_.state + slot * state_dim, 0, sizeof(float) * state_dim);
+    }
   }
 
   // ------------------------------------------------------------ 4. gather
