@@ -3,6 +3,9 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The package itself (editable), rebuilt when the native kernels' sources change.
+PACKAGE := $(VENV)/.package
+NATIVE_SOURCES := setup.py $(wildcard csrc/*.cpp csrc/*.h)
 
 # CPU dependency set: torch's CPU build, fbgemm's CPU build, and torchrec
 # without its pin on the CUDA fbgemm-gpu (installed with --no-deps, then its needs).
@@ -14,7 +17,7 @@ TOOLS := triton==3.9.0 numpy pytest ruff matplotlib
 
 .PHONY: install test lint format demo bench clean
 
-install: $(STAMP)
+install: $(STAMP) $(PACKAGE)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,8 +26,14 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q $(FBGEMM)
 	$(BIN)/python -m pip install -q --no-deps $(TORCHREC)
 	$(BIN)/python -m pip install -q $(TORCHREC_NEEDS) $(TOOLS)
-	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+
+# Builds csrc/ into torchrec_kvemb/_kvemb_native*.so (setup.py; optional: without
+# a C++ compiler the package installs and the torch path runs, docs/native.md).
+$(PACKAGE): $(STAMP) pyproject.toml $(NATIVE_SOURCES)
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/python -m torchrec_kvemb.ops.native
+	touch $(PACKAGE)
 
 test: install
 	$(BIN)/python -m pytest -q
@@ -52,4 +61,4 @@ bench: install
 	OMP_NUM_THREADS=2 $(BIN)/python -m benchmarks.run
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info torchrec_kvemb/_kvemb_native*.so

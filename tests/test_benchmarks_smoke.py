@@ -72,3 +72,14 @@ def test_ssd_tier_benchmark_runs(tmp_path: Path) -> None:
     assert all(r.ids_per_s > 0 for r in result.train)
     assert all(r.rate > 0 for r in result.promotion + result.disk)
     assert result.cache["ssd_rows"] > 0
+
+
+def test_native_ops_runs_both_sides(tmp_path: Path) -> None:
+    from benchmarks import native_ops
+
+    out = tmp_path / "native.md"
+    result = native_ops.main(["--quick", "--repeats", "1", "--out", str(out)])
+    for op in native_ops.OPS:
+        for system in (native_ops.TORCH, native_ops.NATIVE, native_ops.NATIVE_1):
+            assert result.get(op, system).ids_per_s > 0, (op, system)
+    assert "| find-or-insert | native |" in out.read_text()

@@ -1,0 +1,170 @@
+// C ABI of the native CPU kernels of torchrec_kvemb.
+//
+// Loaded with ctypes by torchrec_kvemb/ops/native.py, which checks every
+// tensor (dtype, device, contiguity, shape) before a call: the kernels trust
+// their pointers and sizes. All sizes and offsets are int64. Every entry
+// point returns a KvStatus; on an error nothing was modified unless said.
+//
+// Argument structs hold only 8-byte members (int64, double, pointers), so
+// their ctypes mirrors in native.py lay out the same on every 64-bit ABI.
+#pragma once
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Bump on any change of a signature or struct below; native.py refuses a
+// library whose version differs (a stale build).
+#define KV_ABI_VERSION 1
+
+enum KvStatus {
+  KV_OK = 0,
+  KV_BAD_TABLE = 1,      // a table index outside [-1, num_tables)
+  KV_NEGATIVE_ID = 2,    // an id < 0 in a table of the group
+  KV_OUT_OF_MEMORY = 3,  // scratch allocation failed (nothing was modified)
+  KV_BAD_ARGUMENT = 4,   // inconsistent sizes, offsets or indices
+};
+
+// Policy codes of KvTrainArgs.policy (EvictionPolicy in options.py).
+enum KvPolicy { KV_LRU = 0, KV_LFU = 1, KV_CUSTOM_SCORE = 2, KV_NONE = 3 };
+
+// Optimizer codes of KvBackwardArgs.kind (OptimKind in optimizer.py).
+enum KvOptim { KV_SGD = 0, KV_ROWWISE_ADAGRAD = 1, KV_ADAM = 2 };
+
+// Metric columns of KvTrainArgs.metrics ([T, 6] deltas).
+enum KvMetric {
+  KV_HITS = 0,
+  KV_MISSES = 1,
+  KV_INSERTS = 2,
+  KV_EVICTIONS = 3,
+  KV_ADMISSION_REJECTS = 4,
+  KV_INSERT_FAILURES = 5,
+  KV_NUM_METRICS = 6,
+};
+
+int kv_abi_version(void);
+
+// Whether this CPU runs AVX2 code, and whether this build is the AVX2 one.
+int kv_cpu_has_avx2(void);
+int kv_build_has_avx2(void);
+
+// Scratch memory an op may reuse across calls (see workspace.h); optional
+// (null: the call allocates its own). One call at a time uses it; a call
+// that finds it in use allocates its own.
+typedef struct KvWorkspace KvWorkspace;
+KvWorkspace* kv_workspace_create(void);
+void kv_workspace_destroy(KvWorkspace* workspace);
+int64_t kv_workspace_bytes(const KvWorkspace* workspace);
+
+// Index bucket of each id (ops/hashing.py index_bucket) in a table of
+// num_buckets buckets; exposed for tests of the multiply-high remainder.
+int kv_index_bucket(const int64_t* ids, int64_t n, int64_t num_buckets, int64_t* out);
+
+// Uniform initial rows [n, dim] (ops/hashing.py init_rows, normal=False).
+int kv_init_uniform(const int64_t* ids, int64_t n, int64_t dim, int64_t seed_mix, double low,
+                    double high, int64_t num_threads, float* out);
+
+// Read-only probe of a group index: global slot of each id (-1: absent, or
+// table_idx -1), and hits per table. keys: [num_buckets_total, 16].
+int kv_lookup_eval_group(const int64_t* keys, int64_t num_buckets_total,
+                         const int64_t* bucket_offset, const int64_t* num_buckets,
+                         int64_t num_tables, const int64_t* ids, const int64_t* table_idx,
+                         int64_t n, int64_t num_threads, int64_t* slots, int64_t* hits);
+
+// Training lookup of a group (KVTable.lookup_train for T memory-only tables).
+typedef struct KvTrainArgs {
+  // Group index and rows, updated in place.
+  int64_t* keys;    // [NB, 16], -1: empty way
+  int64_t* scores;  // [NB, 16]
+  int64_t num_buckets_total;
+  float* weights;  // [NB * 16, dim]
+  int64_t dim;
+  float* state;  // [NB * 16, state_dim]
+  int64_t state_dim;
+  // Admission counter group index (tables with threshold > 1 own a range).
+  int64_t* counter_keys;    // [NCB, 16] (may be null when no table admits)
+  int64_t* counter_scores;  // [NCB, 16]
+  int64_t* counter_counts;  // [NCB * 16]
+  int64_t counter_num_buckets_total;
+  // Per table, [T] each.
+  int64_t num_tables;
+  const int64_t* bucket_offset;
+  const int64_t* num_buckets;
+  const int64_t* policy;     // KvPolicy
+  const int64_t* step;       // the table's clock value for this batch
+  const int64_t* use_custom; // 1: scores are the custom scores (max per id)
+  const int64_t* admission_threshold;
+  const int64_t* counter_bucket_offset;
+  const int64_t* counter_num_buckets;
+  const int64_t* init_native;  // 1: write uniform initial rows; 0: the caller fills them
+  const int64_t* seed_mix;
+  const double* init_low;
+  const double* init_high;
+  // The batch: raw ids with duplicates.
+  const int64_t* ids;            // [n]
+  const int64_t* table_idx;      // [n], -1: not this group's id
+  const int64_t* custom_scores;  // [n] or null
+  int64_t n;
+  int64_t num_threads;
+  KvWorkspace* workspace;  // or null
+  // Outputs. Unique and evicted arrays hold n entries (an upper bound);
+  // sizes[0] / sizes[1] say how many are used.
+  int64_t* slots;           // [n] global slot per occurrence, -1: no row
+  int64_t* unique_index;    // [n] unique of each occurrence, -1: table_idx -1
+  int64_t* unique_ids;      // [U]
+  int64_t* unique_slots;    // [U]
+  int64_t* unique_table;    // [U]
+  uint8_t* unique_inserted; // [U] 1: got a new row in this call
+  int64_t* evicted_ids;     // [E], by slot
+  int64_t* evicted_slots;   // [E]
+  int64_t* metrics;         // [T, KV_NUM_METRICS] deltas (overwritten)
+  int64_t* sizes;           // [2]: U, E
+} KvTrainArgs;
+
+int kv_lookup_train_group(const KvTrainArgs* args);
+
+// Gradient reduction over a training lookup's unique rows, then one
+// optimizer step per row, in place.
+typedef struct KvBackwardArgs {
+  float* weights;  // [rows, dim]
+  float* state;    // [rows, state_dim]
+  int64_t num_rows;
+  int64_t dim;
+  int64_t state_dim;
+  // Gradient of bag b: grad + (b / bags_per_group) * group_stride
+  //                         + (b % bags_per_group) * bag_stride (floats).
+  const float* grad;
+  int64_t bags_per_group;
+  int64_t group_stride;
+  int64_t bag_stride;
+  const int64_t* offsets;  // [num_bags + 1] into the occurrences
+  int64_t num_bags;
+  const float* per_sample_weights;  // [n] or null
+  int64_t mean;
+  const int64_t* unique_index;  // [n], -1: no unique
+  int64_t n;
+  const int64_t* unique_slots;  // [U], -1: no row (skipped)
+  const int64_t* unique_table;  // [U]
+  int64_t num_unique;
+  int64_t num_tables;
+  const double* learning_rate;  // [T]
+  const int64_t* optim_step;    // [T], from 1
+  int64_t kind;                 // KvOptim
+  double eps;
+  double beta1;
+  double beta2;
+  double weight_decay;
+  int64_t weight_decay_mode;  // 0 none, 1 L2, 2 decoupled
+  int64_t gradient_clipping;
+  double max_gradient;
+  int64_t num_threads;
+  KvWorkspace* workspace;  // or null
+} KvBackwardArgs;
+
+int kv_fused_backward_group(const KvBackwardArgs* args);
+
+#ifdef __cplusplus
+}
+#endif
