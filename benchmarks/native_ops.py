@@ -3,7 +3,7 @@
 One process, the same batches for both sides:
 
 * ``torch``: T ``KVTable``s, one call per table: ``lookup_train`` (find-or-
-  insert), ``lookup_eval`` (find), ``lookup.apply_gradients`` (row-wise
+  insert), ``lookup_eval`` (find), the torch fused backward (row-wise
   Adagrad; fbgemm's CPU TBE backward does the reduction and update there).
 * ``native``: the same tables as one group (``ops.native``), one call for all
   tables: ``lookup_train_group``, ``lookup_eval_group``,
@@ -51,9 +51,9 @@ from benchmarks.common import (
     time_interleaved,
     write_markdown,
 )
-from torchrec_kvemb.lookup import apply_gradients
+from torchrec_kvemb.contracts import Bags, GroupLayout, InitSpec
 from torchrec_kvemb.ops import native
-from torchrec_kvemb.ops.pooled_lookup import InitSpec
+from torchrec_kvemb.ops.pooled_lookup import pooled_backward_update_torch
 from torchrec_kvemb.optimizer import FusedOptimConfig, OptimKind
 from torchrec_kvemb.options import WAYS, KVTableOptions
 from torchrec_kvemb.table import KVTable, resolve_capacity
@@ -156,7 +156,9 @@ class TorchSide:
             KVTable(f"t{t}", config.dim, table_options(config, t), optim)
             for t in range(config.tables)
         ]
-        self.offsets = torch.arange(0, config.ids_per_table + 1, config.bag)
+        self.bags = Bags.build(
+            torch.arange(0, config.ids_per_table + 1, config.bag), config.ids_per_table
+        )
         self.dim = config.dim
 
     def train(self, batch: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -168,7 +170,10 @@ class TorchSide:
     def backward(self, grad: torch.Tensor, slots: list[torch.Tensor]) -> None:
         for t, table in enumerate(self.tables):
             g = grad[:, t * self.dim : (t + 1) * self.dim]
-            apply_gradients(table, g, slots[t], self.offsets, None, False)
+            table.optim_step += 1
+            pooled_backward_update_torch(
+                table.weights, table.state, g, slots[t], self.bags, table.optim, table.optim_step
+            )
 
 
 class NativeSide:
@@ -177,7 +182,7 @@ class NativeSide:
     def __init__(self, config: BenchConfig) -> None:
         options = [table_options(config, t) for t in range(config.tables)]
         state_dim = optim_config(config).state_dim(config.dim)
-        self.layout = native.GroupTables.build(
+        self.layout = GroupLayout.of(
             [resolve_capacity(o, config.dim, state_dim) // WAYS for o in options],
             [o.eviction for o in options],
             [InitSpec(o.seed, False, o.init_low, o.init_high) for o in options],

@@ -1,4 +1,5 @@
-"""The whole KV EBC on the Triton kernels (interpreted) against the torch path.
+"""The whole KV EBC on the Triton kernels (interpreted) and on the native CPU
+kernels against the torch path.
 
 Same batches, same options: ids, slots and eviction choices bit-exact; pooled
 outputs, rows and optimizer state within float tolerance, step after step.
@@ -12,6 +13,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvemb import EvictionPolicy, Initializer, KVEmbeddingBagCollection, KVTableOptions
 from torchrec_kvemb.backend import ENV_VAR
+from torchrec_kvemb.ops import native
 
 
 def _ebc(optim, pooling, weighted, policy):
@@ -65,10 +67,13 @@ def _batches(weighted, steps=5, batch=7):
     ids=["sum", "mean", "weighted"],
 )
 @pytest.mark.parametrize("policy", [EvictionPolicy.LRU, EvictionPolicy.LFU], ids=lambda p: p.name)
-def test_triton_matches_torch(optim, pooling, weighted, policy, monkeypatch):
+@pytest.mark.parametrize("kernels", ["triton", "native"])
+def test_kernels_match_torch(kernels, optim, pooling, weighted, policy, monkeypatch):
+    if kernels == "native":
+        assert native.available(), native.unavailable_reason()  # make test builds it
     results = {}
-    for backend in ("torch", "triton"):
-        monkeypatch.setenv(ENV_VAR, backend)
+    for backend in ("torch", kernels):
+        monkeypatch.setenv(ENV_VAR, "auto" if backend == "native" else backend)
         ebc = _ebc(optim, pooling, weighted, policy)
         outs = []
         for kjt in _batches(weighted):
@@ -85,7 +90,7 @@ def test_triton_matches_torch(optim, pooling, weighted, policy, monkeypatch):
         )
     (ref_outs, ref_tables, ref_metrics), (outs, tables, metrics) = (
         results["torch"],
-        results["triton"],
+        results[kernels],
     )
     for step, (a, b) in enumerate(zip(ref_outs, outs)):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=f"output {step}")

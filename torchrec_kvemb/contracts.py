@@ -42,13 +42,13 @@ per-table ops give.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any, NamedTuple
 
 import torch
 
 from torchrec_kvemb.optimizer import FusedOptimConfig
-from torchrec_kvemb.options import WAYS
+from torchrec_kvemb.options import WAYS, EvictionPolicy, Initializer
 
 #: The 64-bit multipliers of MurmurHash3's finalizer (``fmix64``).
 FMIX_M1 = 0xFF51AFD7ED558CCD
@@ -206,8 +206,13 @@ class TableStorage(NamedTuple):
         )
 
 
-#: Eviction policy codes of ``GroupLayout.policy`` (``EvictionPolicy`` order).
-POLICY_CODES = {"lru": 0, "lfu": 1, "custom_score": 2, "none": 3}
+#: Eviction policy codes of ``GroupLayout.policy`` (kernels branch on them).
+POLICY_CODES = {
+    EvictionPolicy.LRU: 0,
+    EvictionPolicy.LFU: 1,
+    EvictionPolicy.CUSTOM_SCORE: 2,
+    EvictionPolicy.NONE: 3,
+}
 
 
 @dataclass(frozen=True)
@@ -220,9 +225,13 @@ class GroupLayout:
 
     Example::
 
-        layout = GroupLayout.build(num_buckets=[64, 3], counter_num_buckets=[0, 3],
-                                   options=[KVTableOptions(capacity=1024),
-                                            KVTableOptions(capacity=48, admission_threshold=2)])
+        layout = GroupLayout.of(
+            num_buckets=[64, 3],
+            policies=[EvictionPolicy.LRU, EvictionPolicy.LFU],
+            init=[InitSpec(0, False, -0.01, 0.01), InitSpec(1, True, 0.0, 0.01)],
+            admission_thresholds=[1, 2],
+            counter_num_buckets=[0, 3],
+        )
     """
 
     bucket_offset: torch.Tensor  # [T] int64
@@ -236,7 +245,61 @@ class GroupLayout:
     init_a: torch.Tensor  # [T] float64: low (uniform) or mean (normal)
     init_b: torch.Tensor  # [T] float64: high (uniform) or std (normal)
     init_specs: tuple[InitSpec, ...]
+    policies: tuple[EvictionPolicy, ...]
     has_admission: bool  # some table admits ids after several sightings
+    has_normal: bool  # some table draws its initial rows from a normal law
+
+    @classmethod
+    def of(
+        cls,
+        num_buckets: Sequence[int],
+        policies: Sequence[EvictionPolicy],
+        init: Sequence[InitSpec],
+        admission_thresholds: Sequence[int] | None = None,
+        counter_num_buckets: Sequence[int] | None = None,
+        device: torch.device | str | None = None,
+    ) -> GroupLayout:
+        """The layout of tables of these bucket counts, eviction policies, initial
+        rows and admission (thresholds, counter buckets; default: none)."""
+        T = len(num_buckets)
+        thresholds = list(admission_thresholds or [1] * T)
+        counters = list(counter_num_buckets or [0] * T)
+        if not (len(policies) == len(init) == len(thresholds) == len(counters) == T):
+            raise ValueError("GroupLayout: one entry per table in every argument")
+        if any(int(b) < 1 for b in num_buckets):
+            raise ValueError(f"GroupLayout: num_buckets must be >= 1, got {list(num_buckets)}")
+        for t in range(T):
+            if thresholds[t] > 1 and counters[t] < 1:
+                raise ValueError(f"GroupLayout: table {t} admits: it needs counter buckets")
+            if thresholds[t] <= 1:
+                counters[t] = 0
+
+        def ints(values: Sequence[int]) -> torch.Tensor:
+            return torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
+
+        def floats(values: Sequence[float]) -> torch.Tensor:
+            return torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+
+        def offsets(sizes: Sequence[int]) -> torch.Tensor:
+            t = ints(sizes)
+            return torch.cumsum(t, 0) - t
+
+        return cls(
+            bucket_offset=offsets(num_buckets),
+            num_buckets=ints(num_buckets),
+            policy=ints([POLICY_CODES[p] for p in policies]),
+            admission_threshold=ints(thresholds),
+            counter_bucket_offset=offsets(counters),
+            counter_num_buckets=ints(counters),
+            seed_mix=ints([seed_mix(s.seed) for s in init]),
+            init_normal=ints([int(s.normal) for s in init]),
+            init_a=floats([s.a for s in init]),
+            init_b=floats([s.b for s in init]),
+            init_specs=tuple(init),
+            policies=tuple(policies),
+            has_admission=any(t > 1 for t in thresholds),
+            has_normal=any(s.normal for s in init),
+        )
 
     @classmethod
     def build(
@@ -247,41 +310,41 @@ class GroupLayout:
         device: torch.device | str | None = None,
     ) -> GroupLayout:
         """The layout of tables with these bucket counts and ``KVTableOptions``."""
-        specs = tuple(init_spec(o) for o in options)
-
-        def ints(values: Sequence[int]) -> torch.Tensor:
-            return torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
-
-        def offsets(sizes: Sequence[int]) -> torch.Tensor:
-            t = ints(sizes)
-            return torch.cumsum(t, 0) - t
-
-        counters = [
-            c if o.admission_threshold > 1 else 0 for c, o in zip(counter_num_buckets, options)
-        ]
-        return cls(
-            bucket_offset=offsets(num_buckets),
-            num_buckets=ints(num_buckets),
-            policy=ints([POLICY_CODES[o.eviction.value] for o in options]),
-            admission_threshold=ints([o.admission_threshold for o in options]),
-            counter_bucket_offset=offsets(counters),
-            counter_num_buckets=ints(counters),
-            seed_mix=ints([seed_mix(s.seed) for s in specs]),
-            init_normal=ints([int(s.normal) for s in specs]),
-            init_a=torch.tensor([float(s.a) for s in specs], dtype=torch.float64, device=device),
-            init_b=torch.tensor([float(s.b) for s in specs], dtype=torch.float64, device=device),
-            init_specs=specs,
-            has_admission=any(o.admission_threshold > 1 for o in options),
+        return cls.of(
+            num_buckets,
+            [o.eviction for o in options],
+            [init_spec(o) for o in options],
+            [o.admission_threshold for o in options],
+            counter_num_buckets,
+            device,
         )
 
     @property
     def num_tables(self) -> int:
         return self.num_buckets.numel()
 
+    @property
+    def total_buckets(self) -> int:
+        """Buckets of the group index the tables own (rows: ``WAYS`` times that)."""
+        return int(self.num_buckets.sum())
+
+    @property
+    def total_counter_buckets(self) -> int:
+        return int(self.counter_num_buckets.sum())
+
+    def to(self, device: torch.device | str) -> GroupLayout:
+        """The same layout with its tensors on ``device``."""
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return replace(self, **moved)
+
 
 def init_spec(options: Any) -> InitSpec:
     """The ``InitSpec`` of a table built from ``KVTableOptions``."""
-    if options.initializer.value == "normal":
+    if options.initializer == Initializer.NORMAL:
         return InitSpec(options.seed, True, options.init_mean, options.init_std)
     return InitSpec(options.seed, False, options.init_low, options.init_high)
 

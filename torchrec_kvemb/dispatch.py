@@ -1,10 +1,16 @@
 """Which implementation runs each op: the one place where a backend is chosen.
 
-``backend.use_triton(device)`` decides per call (``TORCHREC_KVEMB_BACKEND``
-overrides the default of Triton on CUDA, torch elsewhere). On the torch side,
-CPU tensors take fbgemm's CPU kernels where they compute exactly the same
-thing (``fbgemm_supports``). The Triton kernel modules are imported on first
-use, so that a CPU-only process never compiles them.
+``TORCHREC_KVEMB_BACKEND`` (``backend.py``) decides per call, by device:
+
+* CUDA tensors: the Triton kernels (``kernels/``);
+* CPU tensors: the native kernels (``csrc/``, ``ops/native.py``) for a group's
+  id -> slot work and fused backward, where the library was built; fbgemm's CPU
+  kernels where they compute exactly the same thing (``fbgemm_supports``); the
+  torch path otherwise, which is also the reference all of them are tested
+  against (``TORCHREC_KVEMB_BACKEND=torch`` forces it).
+
+The Triton kernel modules are imported on first use, so that a CPU-only process
+never compiles them.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from torchrec_kvemb.contracts import (
     InsertResult,
     TableStorage,
 )
+from torchrec_kvemb.ops import native
 from torchrec_kvemb.ops.block_bucketize import (
     IntsLike,
     bucketize_prepared_fbgemm,
@@ -138,13 +145,21 @@ def block_bucketize_2d(
 
 # -------------------------------------------------------------- grouped ops
 def group_backend(device: torch.device, per_table_only: bool = False) -> str:
-    """The backend of a group's lookups: ``"triton"``, or ``"torch"`` (the per-table
-    path, which the group runs itself; also for a group that only it can serve)."""
+    """The backend of a group's lookups: ``"triton"``, ``"native"``, or ``"torch"``
+    (the per-table path, which the group runs itself; also for a group that only
+    it can serve)."""
     if per_table_only:
         return "torch"
     if use_triton(device):
         return "triton"
+    if native.use_native(device):
+        return "native"
     return "torch"
+
+
+def workspace(backend: str) -> object | None:
+    """Scratch memory a group keeps for ``backend``'s calls (the native kernels')."""
+    return native.Workspace() if backend == "native" else None
 
 
 def group_lookup_train(
@@ -157,12 +172,35 @@ def group_lookup_train(
     metrics: torch.Tensor,
     custom_scores: torch.Tensor | None = None,
     use_custom: torch.Tensor | None = None,
+    scratch: object | None = None,
 ) -> GroupLookup:
     """A group's training lookup on ``backend`` (see ``KVTableGroup.lookup_train``);
-    ``step [T]``: each table's clock for this batch; counters add to ``metrics``."""
+    ``step [T]``: each table's clock for this batch; counters add to ``metrics``;
+    ``scratch``: the group's ``workspace``."""
+    s = storage
+    if backend == "native":
+        counter = None
+        if layout.has_admission:
+            counter = native.CounterIndex(s.counter_keys, s.counter_scores, s.counts)
+        out = native.lookup_train_group(
+            layout,
+            s.keys,
+            s.scores,
+            s.weights,
+            s.state,
+            ids,
+            table_idx,
+            step,
+            custom_scores,
+            use_custom,
+            counter,
+            num_threads=torch.get_num_threads(),
+            workspace=scratch,
+        )
+        metrics[:, : out.metrics.shape[1]] += out.metrics
+        return GroupLookup(out.slots, out.unique_index, out.unique_slots, out.unique_table)
     from torchrec_kvemb.kernels import group_lookup as kernel
 
-    s = storage
     return kernel.group_lookup_train_triton(
         layout,
         s.keys,
@@ -190,6 +228,21 @@ def group_lookup_eval(
     metrics: torch.Tensor,
 ) -> torch.Tensor:
     """A group's evaluation lookup on ``backend`` (see ``KVTableGroup.lookup_eval``)."""
+    if backend == "native":
+        slots, hits = native.lookup_eval_group(
+            storage.keys,
+            layout.bucket_offset,
+            layout.num_buckets,
+            ids,
+            table_idx,
+            num_threads=torch.get_num_threads(),
+        )
+        T = layout.num_tables
+        seen = torch.zeros(T + 1, dtype=torch.int64)
+        seen.index_add_(0, torch.where(table_idx >= 0, table_idx, T), torch.ones_like(ids))
+        metrics[:, 0] += hits
+        metrics[:, 1] += seen[:T] - hits
+        return slots
     from torchrec_kvemb.kernels import group_lookup as kernel
 
     return kernel.group_lookup_eval_triton(layout, storage.keys, ids, table_idx, metrics)
@@ -225,6 +278,7 @@ def group_fused_backward(
     lookup: GroupLookup,
     grad_out: torch.Tensor,
     bags: Bags,
+    scratch: object | None = None,
 ) -> None:
     """Reduce ``grad_out [B, dim]`` per stored row of the group and apply one step of
     each table's optimizer (``optim``), in place."""
@@ -232,6 +286,23 @@ def group_fused_backward(
     slots = lookup.slots
     config = optim.config
     weights, state = storage.weights, storage.state
+    if lookup.unique_index is not None and native.use_native(slots.device):
+        native.fused_backward_group(
+            weights,
+            state,
+            grad_out,
+            bags.offsets,
+            lookup.unique_index,
+            lookup.unique_slots,
+            lookup.unique_table,
+            config,
+            learning_rate=[c.learning_rate for c in optim.configs],
+            optim_step=list(optim.steps),
+            per_sample_weights=bags.scale,
+            num_threads=torch.get_num_threads(),
+            workspace=scratch,
+        )
+        return
     if use_triton(slots.device):
         from torchrec_kvemb.kernels import group_pooled as kernel
 

@@ -138,6 +138,7 @@ class KVTableGroup:
             [start + t.capacity for start, t in zip(self.row_offsets, tables, strict=True)]
         )
         self._rates_host: list[float] = []
+        self._workspaces: dict[str, object | None] = {}
         self._rates = torch.empty(0)
         self._steps = _Clock(self.metrics.new_tensor([t.step for t in tables]))
         self._optim_steps = _Clock(self.metrics.new_tensor([t.optim_step for t in tables]))
@@ -204,7 +205,14 @@ class KVTableGroup:
             self.metrics,
             custom_scores,
             use_custom,
+            self._scratch(backend),
         )
+
+    def _scratch(self, backend: str) -> object | None:
+        """The group's scratch memory for ``backend`` (made on first use)."""
+        if backend not in self._workspaces:
+            self._workspaces[backend] = dispatch.workspace(backend)
+        return self._workspaces[backend]
 
     def lookup_eval(self, ids: torch.Tensor, table_idx: torch.Tensor) -> torch.Tensor:
         """Global slots of an evaluation batch (read-only); -1 for ids not stored."""
@@ -242,7 +250,8 @@ class KVTableGroup:
             rows=tuple(t.capacity for t in self.tables),
             row_ends=self._row_ends,
         )
-        dispatch.group_fused_backward(self.storage, optim, lookup, grad_out, bags)
+        scratch = self._scratch(dispatch.group_backend(grad_out.device, self.per_table_only))
+        dispatch.group_fused_backward(self.storage, optim, lookup, grad_out, bags, scratch)
 
     def advance_clocks(self) -> torch.Tensor:
         """Advance every table's training clock (the LRU step) by one, as a lookup

@@ -2,9 +2,10 @@
 
 Each test builds T ``KVTable``s, assembles their arrays into one group
 (keys, scores, weights, state and admission counters concatenated, as
-``native.GroupTables`` lays them out), then runs the same batches through
-``KVTable.lookup_train`` / ``lookup_eval`` / ``lookup.apply_gradients`` per
-table and through the native group op, and compares every array and output.
+``GroupLayout`` lays them out), then runs the same batches through
+``KVTable.lookup_train`` / ``lookup_eval`` / the torch backward (``apply_gradients``
+below) per table and through the native group op, and compares every array and
+output.
 Integer outputs and rows written by lookups must be equal (``torch.equal``);
 rows after an optimizer step within ``BACKWARD_TOLERANCE``.
 
@@ -21,11 +22,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from torchrec_kvemb.lookup import apply_gradients
+from torchrec_kvemb.contracts import Bags, GroupLayout, InitSpec
 from torchrec_kvemb.ops import native
 from torchrec_kvemb.ops.hashing import INT64_MAX, index_bucket, init_rows
 from torchrec_kvemb.ops.insert import insert_torch
-from torchrec_kvemb.ops.pooled_lookup import InitSpec
+from torchrec_kvemb.ops.pooled_lookup import pooled_backward_update_torch
 from torchrec_kvemb.optimizer import FusedOptimConfig, OptimKind, WeightDecay
 from torchrec_kvemb.options import WAYS, EvictionPolicy, Initializer, KVTableOptions
 from torchrec_kvemb.table import KVTable
@@ -39,10 +40,18 @@ LRU, LFU, CUSTOM, NONE = (
 )
 
 #: Rows after one optimizer step: the native update runs the torch path's
-#: float32 ops in the same order, but torch's row mean (Adagrad) and fbgemm's
-#: CPU kernels (which ``apply_gradients`` uses for SGD / Adagrad without
-#: decay or clipping) round differently in the last bits.
+#: float32 ops in the same order, but torch's row mean (Adagrad) rounds
+#: differently in the last bits.
 BACKWARD_TOLERANCE = dict(rtol=1e-5, atol=1e-7)
+
+
+def apply_gradients(table, grad_out, slots, offsets, per_sample_weights, mean) -> None:
+    """The torch backward of one table: gradient per stored row, one optimizer step."""
+    table.optim_step += 1
+    bags = Bags.build(offsets, slots.numel(), per_sample_weights, mean)
+    pooled_backward_update_torch(
+        table.weights, table.state, grad_out, slots, bags, table.optim, table.optim_step
+    )
 
 
 #: Builds every test runs on: the portable one, and the AVX2 one on x86-64.
@@ -99,13 +108,13 @@ class Group:
             for i, s in enumerate(specs)
         ]
         self.optim = optim
-        self.layout = native.GroupTables.build(
+        self.layout = GroupLayout.of(
             num_buckets=[t.keys.shape[0] for t in self.tables],
             policies=[s.eviction for s in specs],
             init=[t.init_spec for t in self.tables],
             admission_thresholds=[s.threshold for s in specs],
             counter_num_buckets=[
-                t._counter.keys.shape[0] if t._counter is not None else 0 for t in self.tables
+                t.counter.keys.shape[0] if t.counter is not None else 0 for t in self.tables
             ],
         )
         self.keys = torch.cat([t.keys for t in self.tables]).clone()
@@ -115,9 +124,9 @@ class Group:
         counted = self.counted_tables
         self.counter = (
             native.CounterIndex(
-                torch.cat([t._counter.keys for t in counted]).clone(),
-                torch.cat([t._counter.scores for t in counted]).clone(),
-                torch.cat([t._counts for t in counted]).clone(),
+                torch.cat([t.counter.keys for t in counted]).clone(),
+                torch.cat([t.counter.scores for t in counted]).clone(),
+                torch.cat([t.counts for t in counted]).clone(),
             )
             if counted
             else None
@@ -125,7 +134,7 @@ class Group:
 
     @property
     def counted_tables(self) -> list[KVTable]:
-        return [t for t in self.tables if t._counter is not None]
+        return [t for t in self.tables if t.counter is not None]
 
     def buckets(self, t: int) -> slice:
         first = int(self.layout.bucket_offset[t])
@@ -167,9 +176,9 @@ class Group:
         if self.counter is not None:
             counted = self.counted_tables
             expect = (
-                torch.cat([t._counter.keys for t in counted]),
-                torch.cat([t._counter.scores for t in counted]),
-                torch.cat([t._counts for t in counted]),
+                torch.cat([t.counter.keys for t in counted]),
+                torch.cat([t.counter.scores for t in counted]),
+                torch.cat([t.counts for t in counted]),
             )
             for name, got, want in zip(("keys", "scores", "counts"), self.counter, expect):
                 assert torch.equal(got, want), f"{where}: admission counter {name} differ"
@@ -242,9 +251,10 @@ def train_both(group: Group, batch: Batch, num_threads: int, gen: torch.Generato
     for t, table in enumerate(group.tables):
         if batch.ids[t] is None:
             continue
-        before = dict(table._metrics)
+        before = table.metrics()
         expected[t] = table.lookup_train(batch.ids[t], batch.custom[t])
-        deltas[t] = [table._metrics[m] - before[m] for m in native.METRIC_NAMES]
+        after = table.metrics()
+        deltas[t] = [after[m] - before[m] for m in native.METRIC_NAMES]
 
     ids, table_idx, custom, within = batch.flat(gen)
     out = native.lookup_train_group(
@@ -453,7 +463,7 @@ def test_lookup_eval_matches_tables(threads: int) -> None:
     assert bool((slots[table_idx < 0] == -1).all())
     for t, table in enumerate(group.tables):
         mine = table_idx == t
-        before = table._metrics["hits"]
+        before = table.metrics()["hits"]
         expected = table.lookup_eval(batch.ids[t]) if batch.ids[t] is not None else None
         got = torch.empty_like(slots[mine])
         got[within[mine]] = slots[mine]
@@ -462,7 +472,7 @@ def test_lookup_eval_matches_tables(threads: int) -> None:
             continue
         local = torch.where(got >= 0, got - group.rows(t).start, -1)
         assert torch.equal(local, expected), f"table {t}: eval slots differ"
-        assert int(hits[t]) == table._metrics["hits"] - before, f"table {t}: hits differ"
+        assert int(hits[t]) == table.metrics()["hits"] - before, f"table {t}: hits differ"
 
 
 # ----------------------------------------------------------------- backward
@@ -739,7 +749,7 @@ def test_tie_heavy_buckets_match_insert_torch(policy: EvictionPolicy) -> None:
     gen = torch.Generator().manual_seed(list(EvictionPolicy).index(policy))
     pool = torch.arange(400)
     spec = InitSpec(0, False, 0.0, 1.0)
-    layout = {nb: native.GroupTables.build([nb], [policy], [spec]) for nb in (1, 2)}
+    layout = {nb: GroupLayout.of([nb], [policy], [spec]) for nb in (1, 2)}
     for trial in range(80):
         nb = 1 + trial % 2
         keys = torch.full((nb, WAYS), -1, dtype=torch.int64)

@@ -20,7 +20,7 @@ callers keep the torch path. See docs/native.md.
 Example::
 
     if native.use_native(ids.device):
-        tables = GroupTables.build([64, 7], [EvictionPolicy.LRU] * 2, [spec, spec])
+        tables = GroupLayout.of([64, 7], [EvictionPolicy.LRU] * 2, [spec, spec])
         out = native.lookup_train_group(tables, keys, scores, weights, state,
                                         ids, table_idx, step=torch.tensor([3, 3]))
 """
@@ -31,17 +31,16 @@ import ctypes
 import functools
 import importlib.machinery
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from torchrec_kvemb.backend import backend_setting
-from torchrec_kvemb.ops.hashing import init_rows, seed_mix
-from torchrec_kvemb.ops.pooled_lookup import InitSpec
+from torchrec_kvemb.contracts import GroupLayout, seed_mix
+from torchrec_kvemb.ops.hashing import init_rows
 from torchrec_kvemb.optimizer import FusedOptimConfig, OptimKind
-from torchrec_kvemb.options import WAYS, EvictionPolicy
+from torchrec_kvemb.options import WAYS
 from torchrec_kvemb.validation import KVInputError
 
 #: The shared library's extension name (setup.py builds csrc/ into it).
@@ -59,12 +58,6 @@ METRIC_NAMES = (
     "insert_failures",
 )
 
-_POLICY_CODES = {
-    EvictionPolicy.LRU: 0,
-    EvictionPolicy.LFU: 1,
-    EvictionPolicy.CUSTOM_SCORE: 2,
-    EvictionPolicy.NONE: 3,
-}
 _OPTIM_CODES = {OptimKind.SGD: 0, OptimKind.ROWWISE_ADAGRAD: 1, OptimKind.ADAM: 2}
 
 _OK, _BAD_TABLE, _NEGATIVE_ID, _OUT_OF_MEMORY, _BAD_ARGUMENT = range(5)
@@ -431,98 +424,6 @@ def lookup_eval_group(
     return slots, hits
 
 
-@dataclass(frozen=True)
-class GroupTables:
-    """Per-table layout and settings of a group (built once, reused every batch).
-
-    Tables own consecutive bucket ranges of the group index in their order,
-    and admission tables consecutive ranges of the counter index.
-
-    Example::
-
-        tables = GroupTables.build(
-            num_buckets=[64, 3],
-            policies=[EvictionPolicy.LRU, EvictionPolicy.LFU],
-            init=[InitSpec(0, False, -0.01, 0.01), InitSpec(1, True, 0.0, 0.01)],
-            admission_thresholds=[1, 2],
-            counter_num_buckets=[0, 3],
-        )
-    """
-
-    bucket_offset: torch.Tensor  # [T] int64
-    num_buckets: torch.Tensor  # [T] int64
-    policy: torch.Tensor  # [T] int64 policy codes
-    admission_threshold: torch.Tensor  # [T] int64
-    counter_bucket_offset: torch.Tensor  # [T] int64
-    counter_num_buckets: torch.Tensor  # [T] int64 (0 without admission)
-    init_native: torch.Tensor  # [T] int64: 1 uniform rows written natively, 0 normal
-    seed_mix: torch.Tensor  # [T] int64
-    init_low: torch.Tensor  # [T] float64
-    init_high: torch.Tensor  # [T] float64
-    init_specs: tuple[InitSpec, ...]
-    policies: tuple[EvictionPolicy, ...]
-    any_admission: bool  # some table has admission_threshold > 1
-    any_normal: bool  # some table's new rows are filled by the torch path (NORMAL)
-
-    @classmethod
-    def build(
-        cls,
-        num_buckets: Sequence[int],
-        policies: Sequence[EvictionPolicy],
-        init: Sequence[InitSpec],
-        admission_thresholds: Sequence[int] | None = None,
-        counter_num_buckets: Sequence[int] | None = None,
-    ) -> GroupTables:
-        T = len(num_buckets)
-        thresholds = list(admission_thresholds or [1] * T)
-        counters = list(counter_num_buckets or [0] * T)
-        if not (len(policies) == len(init) == len(thresholds) == len(counters) == T):
-            raise ValueError("GroupTables.build: one entry per table in every argument")
-        if any(int(b) < 1 for b in num_buckets):
-            raise ValueError(f"GroupTables.build: num_buckets must be >= 1, got {num_buckets}")
-        for t in range(T):
-            if thresholds[t] > 1 and counters[t] < 1:
-                raise ValueError(f"GroupTables.build: table {t} admits: it needs counter buckets")
-            if thresholds[t] <= 1:
-                counters[t] = 0
-
-        def offsets(sizes: list[int]) -> torch.Tensor:
-            sizes_t = torch.tensor(sizes, dtype=torch.int64)
-            return torch.cumsum(sizes_t, 0) - sizes_t
-
-        i64 = dict(dtype=torch.int64)
-        f64 = dict(dtype=torch.float64)
-        return cls(
-            bucket_offset=offsets([int(b) for b in num_buckets]),
-            num_buckets=torch.tensor([int(b) for b in num_buckets], **i64),
-            policy=torch.tensor([_POLICY_CODES[p] for p in policies], **i64),
-            admission_threshold=torch.tensor(thresholds, **i64),
-            counter_bucket_offset=offsets(counters),
-            counter_num_buckets=torch.tensor(counters, **i64),
-            init_native=torch.tensor([0 if s.normal else 1 for s in init], **i64),
-            seed_mix=torch.tensor([seed_mix(s.seed) for s in init], **i64),
-            init_low=torch.tensor([float(s.a) for s in init], **f64),
-            init_high=torch.tensor([float(s.b) for s in init], **f64),
-            init_specs=tuple(init),
-            policies=tuple(policies),
-            any_admission=any(t > 1 for t in thresholds),
-            any_normal=any(s.normal for s in init),
-        )
-
-    @property
-    def num_tables(self) -> int:
-        return self.num_buckets.numel()
-
-    @property
-    def total_buckets(self) -> int:
-        """Buckets of the group index the tables need (rows: ``WAYS`` times that)."""
-        return int(self.num_buckets.sum())
-
-    @property
-    def total_counter_buckets(self) -> int:
-        return int(self.counter_num_buckets.sum())
-
-
 class CounterIndex(NamedTuple):
     """A group's admission counter: keys, scores ``[NCB, WAYS]`` and counts ``[NCB * WAYS]``."""
 
@@ -547,7 +448,7 @@ class TrainLookup(NamedTuple):
 
 
 def lookup_train_group(
-    tables: GroupTables,
+    tables: GroupLayout,
     keys: torch.Tensor,
     scores: torch.Tensor,
     weights: torch.Tensor,
@@ -599,7 +500,7 @@ def lookup_train_group(
         num_threads=_threads(num_threads),
         workspace=_workspace_handle(workspace),
     )
-    if tables.any_admission:
+    if tables.has_admission:
         if counter is None:
             raise ValueError("lookup_train_group: tables with admission need the counter index")
         ncb = counter.keys.shape[0] if counter.keys.dim() == 2 else -1
@@ -631,13 +532,13 @@ def lookup_train_group(
         admission_threshold=tables.admission_threshold,
         counter_bucket_offset=tables.counter_bucket_offset,
         counter_num_buckets=tables.counter_num_buckets,
-        init_native=tables.init_native,
+        init_native=1 - tables.init_normal,
         seed_mix=tables.seed_mix,
     )
     for name, value in per_table.items():
         setattr(args, name, _tensor(value, name, torch.int64, (T,)))
-    args.init_low = _tensor(tables.init_low, "init_low", torch.float64, (T,))
-    args.init_high = _tensor(tables.init_high, "init_high", torch.float64, (T,))
+    args.init_low = _tensor(tables.init_a, "init_low", torch.float64, (T,))
+    args.init_high = _tensor(tables.init_b, "init_high", torch.float64, (T,))
 
     i64 = dict(dtype=torch.int64)
     slots, unique_index = torch.empty(n, **i64), torch.empty(n, **i64)
@@ -672,12 +573,12 @@ def lookup_train_group(
         evicted_slots[:e],
         metrics,
     )
-    if tables.any_normal:
+    if tables.has_normal:
         _fill_normal_rows(tables, weights, result)
     return result
 
 
-def _fill_normal_rows(tables: GroupTables, weights: torch.Tensor, result: TrainLookup) -> None:
+def _fill_normal_rows(tables: GroupLayout, weights: torch.Tensor, result: TrainLookup) -> None:
     """Initial rows of the new ids of NORMAL tables, by the torch path (why: its
     log and cos are torch's vectorized ones, which C++ libm does not match bit for bit)."""
     new = result.unique_inserted
@@ -792,7 +693,6 @@ __all__ = [
     "ABI_VERSION",
     "METRIC_NAMES",
     "CounterIndex",
-    "GroupTables",
     "NativeOpError",
     "TrainLookup",
     "Workspace",

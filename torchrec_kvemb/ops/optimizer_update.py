@@ -1,8 +1,9 @@
 """Fused optimizer row update (torch path), and fbgemm's CPU fused backward.
 
-``optimizer_update_torch`` is the reference: the Triton kernel in
-``kernels/optimizer_update.py`` and fbgemm's CPU TBE backward (used as a fast
-path where it computes the same update) are tested against it.
+``optimizer_update_torch`` is the reference: the update of the Triton fused
+backward (``kernels/group_pooled.py``), of the native one (``csrc/``) and of
+fbgemm's CPU TBE backward (used as a fast path where it computes the same
+update) are tested against it.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 from torchrec_kvemb.contracts import Bags, InitSpec
 from torchrec_kvemb.ops.hashing import init_rows
+from torchrec_kvemb.ops.optimizer_update import optimizer_update_torch
+from torchrec_kvemb.optimizer import FusedOptimConfig
 
 
 def group_pooled_forward_torch(
@@ -70,3 +72,19 @@ def group_pooled_backward_torch(
     )
     grads.index_add_(0, inverse, contrib)
     return uniq, grads
+
+
+def pooled_backward_update_torch(
+    weights: torch.Tensor,
+    state: torch.Tensor,
+    grad_out: torch.Tensor,
+    slots: torch.Tensor,
+    bags: Bags,
+    config: FusedOptimConfig,
+    step: int,
+) -> None:
+    """The torch reference of a fused backward of one table: the gradient of each
+    stored row (``slots``: the table's own), then one step of ``config`` (``step``:
+    this step's count, from 1), in place."""
+    uniq, grads = group_pooled_backward_torch(grad_out.contiguous(), slots, bags)
+    optimizer_update_torch(weights, state, uniq, grads, config, step)
