@@ -27,13 +27,88 @@ from dataclasses import dataclass, replace
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_kvemb.contracts import Bags, run_of_each
+from torchrec_kvemb.contracts import Bags
 from torchrec_kvemb.group import KVTableGroup
 from torchrec_kvemb.lookup import pooled_eval, pooled_train
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import KVTableOptions
 from torchrec_kvemb.table import KVTable
 from torchrec_kvemb.validation import KVInputError, check_bags, check_ids
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How a KJT of some key order (and stride) maps to the groups of a lookup.
+
+    ``table_maps[g]``: per KJT feature, its table in group ``g`` (-1: not the
+    group's); ``bag_lists[g]``: the bags of group ``g``'s features; ``positions[g]``:
+    the KJT features group ``g`` outputs, in output order (None: all, in KJT order);
+    ``columns``: the permutation of the groups' output columns into the lookup's
+    feature order (None: already in order)."""
+
+    table_maps: list[torch.Tensor]
+    mean_of_feature: torch.Tensor
+    bag_lists: list[torch.Tensor]
+    positions: list[torch.Tensor | None]
+    columns: torch.Tensor | None
+
+    @classmethod
+    def make(
+        cls, specs: Sequence[BagTable], where: dict, num_groups: int, keys: list[str], stride: int
+    ) -> _Plan:
+        position = {k: i for i, k in enumerate(keys)}
+        maps = [torch.full((len(keys),), -1, dtype=torch.int64) for _ in range(num_groups)]
+        mean = torch.zeros(len(keys), dtype=torch.bool)
+        outputs: list[list[int]] = [[] for _ in range(num_groups)]
+        dims: list[int] = [0] * num_groups
+        order = []  # (group, index in the group's output) of each output feature
+        for spec in specs:
+            g, t = where[spec.name]
+            dims[g] = spec.dim
+            for feature in spec.features:
+                maps[g][position[feature]] = t
+                mean[position[feature]] = spec.mean
+                order.append((g, len(outputs[g])))
+                outputs[g].append(position[feature])
+        bag_lists = [
+            (torch.tensor(out, dtype=torch.int64) * stride)
+            .unsqueeze(1)
+            .add(torch.arange(stride))
+            .reshape(-1)
+            for out in (sorted(out) for out in outputs)
+        ]
+        positions = [
+            None if out == list(range(len(keys))) else torch.tensor(out, dtype=torch.int64)
+            for out in outputs
+        ]
+        starts, total = [], 0
+        for g in range(num_groups):
+            starts.append(total)
+            total += len(outputs[g]) * dims[g]
+        columns = (
+            torch.cat(
+                [
+                    torch.arange(starts[g] + i * dims[g], starts[g] + (i + 1) * dims[g])
+                    for g, i in order
+                ]
+            )
+            if order
+            else torch.empty(0, dtype=torch.int64)
+        )
+        identity = torch.equal(columns, torch.arange(columns.numel()))
+        return cls(maps, mean, bag_lists, positions, None if identity else columns)
+
+    def to(self, device: torch.device) -> _Plan:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return _Plan(
+            [m.to(device) for m in self.table_maps],
+            self.mean_of_feature.to(device),
+            [b.to(device) for b in self.bag_lists],
+            [move(p) for p in self.positions],
+            move(self.columns),
+        )
 
 
 @dataclass(frozen=True)
@@ -110,7 +185,7 @@ class KVBagLookup:
             for t, table in enumerate(group.tables)
         }
         self._anchor = torch.empty(0, requires_grad=True)
-        self._maps: dict[tuple, tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]] = {}
+        self._plans: dict[tuple, _Plan] = {}
 
     # ----------------------------------------------------------------- tables
     def tables(self) -> dict[str, KVTable]:
@@ -141,20 +216,20 @@ class KVBagLookup:
         ids, lengths, weights = self._checked(features)
         if stride == 0 or not keys:
             return torch.empty(stride, sum(s.dim * len(s.features) for s in self._specs))
-        table_maps, mean_of_feature, bag_lists = self._feature_maps(keys, stride)
+        plan = self._plan(keys, stride)
         n = ids.numel()
         num_bags = lengths.numel()
         offsets = torch.zeros(num_bags + 1, dtype=torch.int64, device=ids.device)
         torch.cumsum(lengths, 0, out=offsets[1:])
-        feature_of_id = run_of_each(offsets[stride::stride], n)
         mean = False
         if any(spec.mean for spec in self._specs):
-            mean = mean_of_feature.unsqueeze(1).expand(len(keys), stride).reshape(-1)
+            mean = plan.mean_of_feature.unsqueeze(1).expand(len(keys), stride).reshape(-1)
         bags = Bags.build(offsets, n, weights, mean)
+        feature_of_id = torch.div(bags.bag_of, stride, rounding_mode="floor")
         custom = self._custom_scores(features, eviction_scores) if eviction_scores else None
-        pooled = []
-        for group, table_of_feature, bag_list in zip(
-            self.groups, table_maps, bag_lists, strict=True
+        blocks = []
+        for group, table_of_feature, bag_list, positions in zip(
+            self.groups, plan.table_maps, plan.bag_lists, plan.positions, strict=True
         ):
             table_idx = table_of_feature[feature_of_id]
             if training:
@@ -171,45 +246,24 @@ class KVBagLookup:
                 )
             else:
                 out = pooled_eval(group, ids, table_idx, bags, bag_list)
-            pooled.append(out.view(len(keys), stride, group.dim))
-        position = {k: i for i, k in enumerate(keys)}
-        blocks = []
-        for spec in self._specs:
-            g, _ = self._where[spec.name]
-            blocks.extend(pooled[g][position[f]] for f in spec.features)
+            # [features x stride, dim] (feature-major bags) -> [stride, features x dim]
+            out = out.view(len(keys), stride, group.dim)
+            if positions is not None:
+                out = out.index_select(0, positions)
+            blocks.append(out.transpose(0, 1).reshape(stride, -1))
         if not blocks:
             return torch.empty(stride, 0, device=ids.device)
-        return torch.cat(blocks, dim=1)
+        out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        return out if plan.columns is None else out.index_select(1, plan.columns)
 
-    def _feature_maps(
-        self, keys: list[str], stride: int
-    ) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
-        """Per group, the table (index in the group) of each KJT feature, -1 where the
-        feature is not the group's; whether each KJT feature pools by MEAN; and per
-        group, the bags of its features (feature ``k``'s are ``[k * stride, (k + 1) *
-        stride)``)."""
-        cached = self._maps.get((tuple(keys), stride))
-        if cached is not None:
-            return cached
-        maps = [torch.full((len(keys),), -1, dtype=torch.int64) for _ in self.groups]
-        mean = torch.zeros(len(keys), dtype=torch.bool)
-        position = {k: i for i, k in enumerate(keys)}
-        for spec in self._specs:
-            g, t = self._where[spec.name]
-            for feature in spec.features:
-                maps[g][position[feature]] = t
-                mean[position[feature]] = spec.mean
-        bag_lists = [
-            (torch.nonzero(m >= 0).squeeze(1) * stride)
-            .unsqueeze(1)
-            .add(torch.arange(stride))
-            .reshape(-1)
-            .to(self.device)
-            for m in maps
-        ]
-        result = ([m.to(self.device) for m in maps], mean.to(self.device), bag_lists)
-        self._maps[(tuple(keys), stride)] = result
-        return result
+    def _plan(self, keys: list[str], stride: int) -> _Plan:
+        """How a batch of these KJT keys maps to the groups (made once per key order)."""
+        cached = self._plans.get((tuple(keys), stride))
+        if cached is None:
+            cached = _Plan.make(self._specs, self._where, len(self.groups), keys, stride)
+            cached = cached.to(self.device)
+            self._plans[(tuple(keys), stride)] = cached
+        return cached
 
     def _checked(
         self, features: KeyedJaggedTensor
@@ -248,9 +302,11 @@ class KVBagLookup:
             or (weights is not None and not weights.is_floating_point())
         ):
             self._explain(features)
-        bad = (lengths.sum() != values.numel()) | (lengths < 0).any()
+        bad = lengths.sum() != values.numel()
+        if lengths.numel():
+            bad |= lengths.min() < 0
         if values.numel():
-            bad = bad | (values < 0).any()
+            bad |= values.min() < 0
         if bool(bad):  # the one sync of the fast path
             self._explain(features)
         w = weights.to(torch.float32) if weights is not None else None
