@@ -3,6 +3,7 @@
 from torchrec_kvemb.contracts import BucketizeResult
 from torchrec_kvemb.dispatch import block_bucketize_2d
 from torchrec_kvemb.ebc import KVEmbeddingBagCollection
+from torchrec_kvemb.ec import KVEmbeddingCollection
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import (
     EvictionPolicy,
@@ -23,6 +24,7 @@ __all__ = [
     "Initializer",
     "KVEmbeddingBagCollection",
     "KVEmbeddingBagCollectionSharder",
+    "KVEmbeddingCollection",
     "KVInputError",
     "KVTable",
     "KVTableOptions",

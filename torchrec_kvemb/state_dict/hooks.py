@@ -1,8 +1,10 @@
 """The ``state_dict`` / ``load_state_dict`` hooks of KV modules.
 
 A KV module registers them in its constructor; they put each KV table's entries
-(:mod:`torchrec_kvemb.state_dict`) under ``<prefix>embedding_bags.<table>.`` and
-take them back, replacing the tables' content. The module describes its tables
+(:mod:`torchrec_kvemb.state_dict`) under ``<prefix><attribute>.<table>.`` (the
+attribute a stock module keeps its tables in: ``embedding_bags`` for a bag
+collection, ``embeddings`` for a sequence one) and take them back, replacing
+the tables' content. The module describes its tables
 with ``kv_layouts()`` (see :class:`~torchrec_kvemb.state_dict.layout.TableLayout`).
 
 Example::
@@ -48,37 +50,41 @@ RESHARD_HINT = (
 )
 
 
-def register_unsharded_hooks(module: nn.Module) -> None:
+def register_unsharded_hooks(module: nn.Module, attribute: str = "embedding_bags") -> None:
     """state_dict / load_state_dict hooks of a module holding whole KV tables
-    (``KVEmbeddingBagCollection``): plain tensors."""
-    _register(module, False, None)
+    (``KVEmbeddingBagCollection``, ``KVEmbeddingCollection``): plain tensors."""
+    _register(module, False, None, attribute)
 
 
-def register_sharded_hooks(module: nn.Module, group: dist.ProcessGroup | None) -> None:
+def register_sharded_hooks(
+    module: nn.Module, group: dist.ProcessGroup | None, attribute: str = "embedding_bags"
+) -> None:
     """state_dict / load_state_dict hooks of a sharded KV module
     (``ShardedKVEmbeddingBagCollection``): ShardedTensors over ``group``, and a
     ``state_dict()`` that is a collective over it."""
-    _register(module, True, group)
+    _register(module, True, group, attribute)
 
 
-def _register(module: nn.Module, sharded: bool, group: dist.ProcessGroup | None) -> None:
+def _register(
+    module: nn.Module, sharded: bool, group: dist.ProcessGroup | None, attribute: str
+) -> None:
     # The hooks get the module as an argument: closing over it would make a
     # reference cycle that keeps a model (and its process group) alive until gc.
     def state_dict_hook(module: nn.Module, destination: dict, prefix: str, _metadata) -> None:
         layouts = module.kv_layouts()
         if isinstance(destination, KVTableDescription):
             for layout in layouts:
-                key = f"{prefix}embedding_bags.{layout.name}.weight"
+                key = f"{prefix}{attribute}.{layout.name}.weight"
                 destination[key] = KVTableSlot.of(layout)
             return
         if not sharded:
             for layout in layouts:
                 for key, value in table_state(layout.table).items():
-                    destination[f"{prefix}embedding_bags.{layout.name}.{key}"] = value
+                    destination[f"{prefix}{attribute}.{layout.name}.{key}"] = value
             return
         for name, entries in sharded_entries(layouts, group).items():
             for key, value in entries.items():
-                destination[f"{prefix}embedding_bags.{name}.{key}"] = value
+                destination[f"{prefix}{attribute}.{name}.{key}"] = value
 
     def load_hook(
         module: nn.Module,
@@ -92,7 +98,7 @@ def _register(module: nn.Module, sharded: bool, group: dist.ProcessGroup | None)
     ) -> None:
         pending = []
         for layout in module.kv_layouts():
-            base = f"{prefix}embedding_bags.{layout.name}."
+            base = f"{prefix}{attribute}.{layout.name}."
             entries = {
                 key[len(base) :]: state_dict.pop(key)
                 for key in [k for k in state_dict if k.startswith(base)]

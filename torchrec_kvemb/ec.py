@@ -1,0 +1,132 @@
+"""KVEmbeddingCollection: the unsharded drop-in for TorchRec's EmbeddingCollection."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.modules.embedding_modules import get_embedding_names_by_table
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+
+from torchrec_kvemb.bag_lookup import BagTable
+from torchrec_kvemb.ebc import options_for
+from torchrec_kvemb.optimizer import FusedOptimConfig
+from torchrec_kvemb.options import KVTableOptions
+from torchrec_kvemb.sequence_lookup import KVSequenceLookup
+from torchrec_kvemb.state_dict.hooks import register_unsharded_hooks
+from torchrec_kvemb.state_dict.layout import TableLayout
+from torchrec_kvemb.table import KVTable
+
+
+class KVEmbeddingCollection(nn.Module):
+    """EmbeddingCollection whose tables are KV (zero-collision) tables: one row per id,
+    unpooled, for sequence models.
+
+    Takes the same ``EmbeddingConfig``s (one dim for all tables, as TorchRec's
+    module requires); ``num_embeddings`` is the id-space size, up to 2**63 - 1.
+    ``forward(kjt)`` gives ``{feature: JaggedTensor}`` with the rows ``[ids of the
+    feature, dim]`` and the feature's lengths (and its ids as weights with
+    ``need_indices``), exactly like ``EmbeddingCollection``. Training stores new ids
+    (admission and eviction apply) and backward updates the rows with the fused
+    optimizer from ``fused_params``; eval is read-only and ids without a row get
+    zeros. ``.table(name)`` returns a table's ``KVTable``.
+
+    Example::
+
+        ec = KVEmbeddingCollection(
+            tables=[EmbeddingConfig(name="items", embedding_dim=8,
+                                    num_embeddings=2**63 - 1, feature_names=["history"])],
+            options=KVTableOptions(capacity=10_000),
+            fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                          "learning_rate": 0.05},
+        )
+        out = ec(KeyedJaggedTensor.from_lengths_sync(
+            keys=["history"], values=torch.tensor([3, 2**40, 7]), lengths=torch.tensor([2, 1])))
+        out["history"].values().sum().backward()
+    """
+
+    def __init__(
+        self,
+        tables: list[EmbeddingConfig],
+        options: KVTableOptions | dict[str, KVTableOptions],
+        device: torch.device | str | None = None,
+        fused_params: dict[str, Any] | None = None,
+        need_indices: bool = False,
+    ) -> None:
+        super().__init__()
+        self._embedding_configs = list(tables)
+        self._device = torch.device(device or "cpu")
+        self._need_indices = need_indices
+        self._optim = FusedOptimConfig.from_fused_params(fused_params)
+        names = [c.name for c in tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate table name in {names}")
+        dims = {c.embedding_dim for c in tables}
+        if len(dims) > 1:
+            raise ValueError(
+                f"the tables of an EmbeddingCollection share one embedding_dim, got {sorted(dims)}"
+            )
+        self._lookup = KVSequenceLookup(
+            [BagTable(c.name, c.embedding_dim, tuple(c.feature_names)) for c in tables],
+            {c.name: options_for(options, c.name) for c in tables},
+            self._optim,
+            self._device,
+        )
+        self._tables = self._lookup.tables()
+        register_unsharded_hooks(self, attribute="embeddings")  # docs/checkpoint-format.md
+
+    # ---------------------------------------------------------- TorchRec API
+    def embedding_configs(self) -> list[EmbeddingConfig]:
+        return self._embedding_configs
+
+    def embedding_dim(self) -> int:
+        return self._embedding_configs[0].embedding_dim if self._embedding_configs else -1
+
+    def need_indices(self) -> bool:
+        return self._need_indices
+
+    def embedding_names_by_table(self) -> list[list[str]]:
+        return get_embedding_names_by_table(self._embedding_configs)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def table(self, name: str) -> KVTable:
+        """The KVTable named ``name``."""
+        return self._tables[name]
+
+    def kv_tables(self) -> dict[str, KVTable]:
+        """Every KVTable by name."""
+        return dict(self._tables)
+
+    def kv_layouts(self) -> list[TableLayout]:
+        """Every table as its state_dict and checkpoints see it (whole, in this process)."""
+        return [TableLayout.unsharded(table) for table in self._tables.values()]
+
+    def metrics(self) -> dict[str, dict[str, float]]:
+        """``KVTable.metrics()`` of every table, by name."""
+        return {name: t.metrics() for name, t in self._tables.items()}
+
+    # --------------------------------------------------------------- forward
+    def forward(
+        self,
+        features: KeyedJaggedTensor,
+        eviction_scores: dict[str, torch.Tensor] | None = None,
+    ) -> dict[str, JaggedTensor]:
+        """Every feature's rows as a ``JaggedTensor``; ``eviction_scores`` (per
+        feature, one int per id) feeds tables with ``EvictionPolicy.CUSTOM_SCORE``."""
+        rows = self._lookup.embeddings(features, self.training, eviction_scores)
+        per_feature = dict(zip(features.keys(), rows.split(features.length_per_key()), strict=True))
+        jagged = features.to_dict()
+        out: dict[str, JaggedTensor] = {}
+        for config in self._embedding_configs:
+            for feature in config.feature_names:
+                out[feature] = JaggedTensor(
+                    values=per_feature[feature],
+                    lengths=jagged[feature].lengths(),
+                    weights=jagged[feature].values() if self._need_indices else None,
+                )
+        return out
