@@ -32,6 +32,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_kvemb.bag_lookup import BagTable, KVBagLookup
 from torchrec_kvemb.optimizer import OPTIMIZER_KEYS, FusedOptimConfig
 from torchrec_kvemb.options import KVTableOptions
+from torchrec_kvemb.sequence_lookup import KVSequenceLookup
 from torchrec_kvemb.sharding.fused_optimizer import KVFusedOptimizer
 from torchrec_kvemb.table import KVTable
 
@@ -109,6 +110,21 @@ class KVTableSpecs:
             {t.name: self.optims.get(t.name) or optim_config(config.fused_params) for t in tables},
             device,
             weights="if_present",
+        )
+
+    def sequence_lookup(
+        self, config: GroupedEmbeddingConfig, device: torch.device | None, num_shards: int
+    ) -> KVSequenceLookup:
+        """This rank's shards of a sequence collection's grouped config, grouped."""
+        tables: list[ShardedEmbeddingTable] = config.embedding_tables
+        return KVSequenceLookup(
+            [BagTable(t.name, t.local_cols, tuple(t.feature_names)) for t in tables],
+            {t.name: shard_options(self.options[t.name], num_shards) for t in tables},
+            {
+                t.name: self.optims.get(t.name) or optim_config(config.fused_params)
+                for t in tables
+            },
+            device,
         )
 
 

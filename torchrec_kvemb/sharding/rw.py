@@ -71,6 +71,18 @@ def bucketize_kv_features(
         routed = bucketize_kv_features(kjt, num_buckets=[8], world_size=2)
         routed.keys()   # ["f", "f"]: the ids for rank 0, then those for rank 1
     """
+    return route_kv_features(features, num_buckets, world_size, mean_pooled)[0]
+
+
+def route_kv_features(
+    features: KeyedJaggedTensor,
+    num_buckets: Sequence[int],
+    world_size: int,
+    mean_pooled: Sequence[bool] | None = None,
+) -> tuple[KeyedJaggedTensor, torch.Tensor]:
+    """``bucketize_kv_features``, and where each id went: ``permute[i]``, the position
+    of input id ``i`` in the routed KJT's values (a sequence lookup's output dist
+    puts each id's row back in its place with it)."""
     keys = features.keys()
     if len(num_buckets) != len(keys):
         raise ValueError(f"num_buckets has {len(num_buckets)} entries for {len(keys)} features")
@@ -106,13 +118,14 @@ def bucketize_kv_features(
     # (why scatter_: 4x faster than index assignment on 330k ids).
     permute = routed.unbucketize_permute.to(torch.int64)
     routed_ids = torch.empty_like(ids).scatter_(0, permute, ids)
-    return KeyedJaggedTensor(
+    routed_kjt = KeyedJaggedTensor(
         keys=keys * world_size,
         values=routed_ids,
         weights=routed.weights,
         lengths=routed.lengths,
         stride=features.stride(),
     )
+    return routed_kjt, permute
 
 
 def _mean_weights(
