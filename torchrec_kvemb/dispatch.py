@@ -43,6 +43,7 @@ from torchrec_kvemb.ops.optimizer_update import (
 from torchrec_kvemb.ops.pooled_lookup import (
     group_pooled_backward_torch,
     group_pooled_forward_torch,
+    group_rows_forward_torch,
 )
 from torchrec_kvemb.ops.probe import probe_torch
 from torchrec_kvemb.optimizer import OptimKind, WeightDecay
@@ -269,6 +270,28 @@ def group_pooled_forward(
         )
     return group_pooled_forward_torch(
         weights, slots, ids, table_idx, bags, layout.init_specs, missing_as_zero
+    )
+
+
+def group_rows_forward(
+    layout: GroupLayout,
+    weights: torch.Tensor,
+    slots: torch.Tensor,
+    ids: torch.Tensor,
+    table_idx: torch.Tensor,
+    bags: Bags,
+    missing_as_zero: bool,
+) -> torch.Tensor:
+    """One row per id ``[n, dim]`` of a group's batch whose every id is a bag of its
+    own (``bags``), unpooled: a sequence lookup's forward."""
+    if use_triton(slots.device):
+        from torchrec_kvemb.kernels import group_pooled as kernel
+
+        return kernel.group_pooled_forward_triton(
+            layout, weights, slots, ids, table_idx, bags, bags.bag_of, missing_as_zero
+        )
+    return group_rows_forward_torch(
+        weights, slots, ids, table_idx, layout.init_specs, missing_as_zero
     )
 
 

@@ -238,6 +238,20 @@ class KVTableGroup:
             self.layout, self.weights, slots, ids, table_idx, bags, bag_list, missing_as_zero
         )
 
+    def rows_forward(
+        self,
+        slots: torch.Tensor,
+        ids: torch.Tensor,
+        table_idx: torch.Tensor,
+        bags: Bags,
+        missing_as_zero: bool,
+    ) -> torch.Tensor:
+        """One row per id ``[n, dim]`` of a batch whose every id is a bag of its own
+        (ids of another group's tables get zeros): a sequence lookup's forward."""
+        return dispatch.group_rows_forward(
+            self.layout, self.weights, slots, ids, table_idx, bags, missing_as_zero
+        )
+
     def fused_backward(self, lookup: GroupLookup, grad_out: torch.Tensor, bags: Bags) -> None:
         """One optimizer step of every table from the gradient of its pooled rows."""
         steps = self.advance_optimizer_steps()
