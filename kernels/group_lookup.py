@@ -38,6 +38,7 @@ import triton.language as tl
 
 from torchrec_kvemb.contracts import INT64_MAX, GroupLayout, GroupLookup, stable_argsort
 from torchrec_kvemb.kernels.hashing import index_bucket, init_values_any
+from torchrec_kvemb.kernels.rounding import round_to
 
 # Kinds of a batch's unique ids after the find step.
 KIND_NONE = 0  # not an id of the group (or a padding lane)
@@ -286,6 +287,7 @@ def group_insert_kernel(
                 cols = d0 + tl.arange(0, BLOCK_D)
                 mask = won[:, None] & (cols < dim)[None, :]
                 rows = init_values_any(cand_key, cols, seed, normal, a, b)
+                rows = round_to(rows, weights_ptr.dtype.element_ty)
                 tl.store(weights_ptr + slot[:, None] * dim + cols[None, :], rows, mask=mask)
             for d0 in range(0, state_dim, BLOCK_D):
                 cols = d0 + tl.arange(0, BLOCK_D)

@@ -148,7 +148,8 @@ def block_bucketize_2d(
 def group_backend(device: torch.device, per_table_only: bool = False) -> str:
     """The backend of a group's lookups: ``"triton"``, ``"native"``, or ``"torch"``
     (the per-table path, which the group runs itself; also for a group that only
-    it can serve)."""
+    it can serve). The native lookup serves every row dtype, its backward float32
+    rows only (``group_fused_backward`` chooses)."""
     if per_table_only:
         return "torch"
     if use_triton(device):
@@ -309,7 +310,8 @@ def group_fused_backward(
     slots = lookup.slots
     config = optim.config
     weights, state = storage.weights, storage.state
-    if lookup.unique_index is not None and native.use_native(slots.device):
+    native_rows = weights.dtype == torch.float32  # the native backward's rows
+    if lookup.unique_index is not None and native_rows and native.use_native(slots.device):
         native.fused_backward_group(
             weights,
             state,

@@ -33,6 +33,11 @@ def group_pooled_forward_torch(
     ``row * scale``. Ids with slot -1 pool their table's initial value
     (``init_specs[table_idx]``), or zeros when ``missing_as_zero``; ids of no
     table of the group (``table_idx`` -1) pool nothing."""
+    if weights.dtype != torch.float32:
+        # Half-precision rows pool in float32: gather and widen them first.
+        rows = weights.index_select(0, slots.clamp(min=0)).to(torch.float32)
+        position = torch.arange(slots.numel(), device=slots.device)
+        weights, slots = rows, torch.where(slots >= 0, position, -1)
     stored = slots >= 0
     if bags.scale is None and bool(stored.all()):
         return F.embedding_bag(slots, weights, bags.offsets, mode="sum", include_last_offset=True)
