@@ -25,6 +25,10 @@ Training, for ``n`` ids of ``T`` tables:
 Evaluation: ``group_probe_kernel`` (one lane per id). Every launch has one
 program per block of ``n``: programs past the batch's uniques or buckets mask
 everything off.
+
+Why one file of some 550 lines: the three kernels and their host side share the
+buffers and codes of one lookup (``KIND_*``, the per-unique arrays, the bucket
+order); split apart, a change to one buffer's meaning would span files.
 """
 
 # Triton's convention: constexpr kernel arguments are UPPER_CASE.

@@ -17,6 +17,11 @@ for any ``num_threads``. The library is built by the package's install
 (``setup.py``); where no C++ compiler was found ``available()`` is False and
 callers keep the torch path. See docs/native.md.
 
+Why one file of some 700 lines: the ctypes mirrors of ``csrc/kvemb_native.h``'s
+argument structs and the wrappers that fill them must change together with
+that header (and its ``ABI_VERSION``); kept side by side, a field added to one
+cannot be missed in the other.
+
 Example::
 
     if native.use_native(ids.device):
