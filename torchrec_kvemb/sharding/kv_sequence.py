@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torchrec.distributed.embedding_kernel import BaseEmbedding
 from torchrec.distributed.embedding_lookup import GroupedEmbeddingsLookup
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel, GroupedEmbeddingConfig
@@ -94,14 +93,3 @@ class KVGroupedEmbeddingsLookup(GroupedEmbeddingsLookup):
     def kv_fused_optimizers(self) -> dict[str, KVFusedOptimizer]:
         """The fused optimizer driving each of this rank's KV table shards."""
         return {t.name: m.fused_optimizer for m in self._kv_kernels() for t in m.tables}
-
-
-def kv_lookups(lookups: list[nn.Module], kind: type) -> list:
-    """The lookups of ``kind`` among a sharded module's (unwrapped from DDP)."""
-    found = []
-    for lookup in lookups:
-        while isinstance(lookup, nn.parallel.DistributedDataParallel):
-            lookup = lookup.module
-        if isinstance(lookup, kind):
-            found.append(lookup)
-    return found

@@ -9,23 +9,20 @@ row-wise, ids travel to the rank owning their routing bucket
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torchrec.distributed.dist_data import KJTAllToAll
-from torchrec.distributed.embedding_lookup import BaseEmbeddingLookup
-from torchrec.distributed.embedding_sharding import BaseSparseFeaturesDist, EmbeddingShardingInfo
-from torchrec.distributed.embedding_types import BaseGroupedFeatureProcessor
+from torchrec.distributed.embedding_sharding import BaseSparseFeaturesDist
 from torchrec.distributed.sharding.rw_sequence_sharding import RwSequenceEmbeddingSharding
 from torchrec.distributed.sharding.rw_sharding import RwSparseFeaturesDist
 from torchrec.distributed.sharding.tw_sequence_sharding import TwSequenceEmbeddingSharding
-from torchrec.distributed.types import Awaitable, QuantizedCommCodecs, ShardingEnv, ShardingType
+from torchrec.distributed.types import Awaitable, ShardingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_kvemb.sharding.kv_embedding import KVTableSpecs
+from torchrec_kvemb.sharding.kv_lookup import KVLookupMixin
 from torchrec_kvemb.sharding.kv_sequence import KVGroupedEmbeddingsLookup
-from torchrec_kvemb.sharding.rw import check_num_buckets, route_kv_features
+from torchrec_kvemb.sharding.rw import route_kv_features
 
 
 class KVRwSequenceFeaturesDist(RwSparseFeaturesDist):
@@ -55,34 +52,13 @@ class KVRwSequenceFeaturesDist(RwSparseFeaturesDist):
         return self._dist(routed)
 
 
-class _KVSequenceLookupMixin:
-    """``create_lookup`` of a KV sequence sharding (mixed in before TorchRec's, which
-    provides ``_pg``, ``_device``, ``_env`` and ``_grouped_embedding_configs``)."""
+class _KVSequenceSharding(KVLookupMixin):
+    """A KV sharding of a sequence collection: its lookup is the sequence lookup."""
 
-    kv_sharding_type: ShardingType
-    _kv_specs: KVTableSpecs
-
-    def create_lookup(
-        self,
-        device: torch.device | None = None,
-        fused_params: dict[str, Any] | None = None,
-        feature_processor: BaseGroupedFeatureProcessor | None = None,
-    ) -> BaseEmbeddingLookup:
-        if feature_processor is not None:
-            raise ValueError("KV tables: feature processors are not supported yet")
-        row_wise = self.kv_sharding_type == ShardingType.ROW_WISE
-        return KVGroupedEmbeddingsLookup(
-            self._kv_specs,
-            self._pg.size() if row_wise else 1,
-            grouped_configs=self._grouped_embedding_configs,
-            pg=self._pg,
-            device=device if device is not None else self._device,
-            env=self._env,
-            sharding_type=self.kv_sharding_type,
-        )
+    kv_lookup_class = KVGroupedEmbeddingsLookup
 
 
-class KVRwSequenceEmbeddingSharding(_KVSequenceLookupMixin, RwSequenceEmbeddingSharding):
+class KVRwSequenceEmbeddingSharding(_KVSequenceSharding, RwSequenceEmbeddingSharding):
     """TorchRec's row-wise sequence sharding with KV routing and KV lookups.
 
     Example::
@@ -91,21 +67,6 @@ class KVRwSequenceEmbeddingSharding(_KVSequenceLookupMixin, RwSequenceEmbeddingS
     """
 
     kv_sharding_type = ShardingType.ROW_WISE
-
-    def __init__(
-        self,
-        sharding_infos: list[EmbeddingShardingInfo],
-        env: ShardingEnv,
-        device: torch.device | None = None,
-        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
-        *,
-        specs: KVTableSpecs,
-    ) -> None:
-        super().__init__(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
-        self._kv_specs = specs
-        for info in sharding_infos:
-            name = info.embedding_config.name
-            check_num_buckets(name, specs.options[name].total_num_buckets, self._pg.size())
 
     def create_input_dist(self, device: torch.device | None = None) -> KVRwSequenceFeaturesDist:
         num_buckets = [
@@ -116,7 +77,7 @@ class KVRwSequenceEmbeddingSharding(_KVSequenceLookupMixin, RwSequenceEmbeddingS
         return KVRwSequenceFeaturesDist(self._pg, num_buckets)
 
 
-class KVTwSequenceEmbeddingSharding(_KVSequenceLookupMixin, TwSequenceEmbeddingSharding):
+class KVTwSequenceEmbeddingSharding(_KVSequenceSharding, TwSequenceEmbeddingSharding):
     """TorchRec's table-wise sequence sharding with KV lookups.
 
     Example::
@@ -125,18 +86,6 @@ class KVTwSequenceEmbeddingSharding(_KVSequenceLookupMixin, TwSequenceEmbeddingS
     """
 
     kv_sharding_type = ShardingType.TABLE_WISE
-
-    def __init__(
-        self,
-        sharding_infos: list[EmbeddingShardingInfo],
-        env: ShardingEnv,
-        device: torch.device | None = None,
-        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
-        *,
-        specs: KVTableSpecs,
-    ) -> None:
-        super().__init__(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
-        self._kv_specs = specs
 
 
 #: The sequence sharding of a KV table by sharding type.

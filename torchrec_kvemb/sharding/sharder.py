@@ -10,20 +10,14 @@ exactly as the stock sharder would. Planning answers per table
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-import torch
 from torch import nn
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.types import ParameterSharding, QuantizedCommCodecs, ShardingEnv
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from torchrec_kvemb.ebc import KVEmbeddingBagCollection
 from torchrec_kvemb.ec import KVEmbeddingCollection
-from torchrec_kvemb.options import KVTableOptions
 from torchrec_kvemb.sharding.sharded_ebc import ShardedKVEmbeddingBagCollection
 from torchrec_kvemb.sharding.sharded_ec import ShardedKVEmbeddingCollection
 from torchrec_kvemb.sharding.sharder_base import KVSharderBase
@@ -38,7 +32,7 @@ class KVEmbeddingBagCollectionSharder(KVSharderBase, EmbeddingBagCollectionShard
       them, a table-wise one all.
     * ``fused_params``: TorchRec's ``fused_params`` (optimizer, learning_rate,
       ...), for KV and stock tables alike.
-    * ``module_type``: ``EmbeddingBagCollection`` (default; build it on
+    * ``module_type``: ``EmbeddingBagCollection`` (default, or None; build it on
       ``torch.device("meta")`` so that KV tables allocate nothing) or
       ``KVEmbeddingBagCollection``, whose options and optimizer then come from the
       module itself (``table_options`` may be omitted). DMP picks a sharder by
@@ -58,15 +52,6 @@ class KVEmbeddingBagCollectionSharder(KVSharderBase, EmbeddingBagCollectionShard
     stock_module = EmbeddingBagCollection
     kv_module = KVEmbeddingBagCollection
 
-    def __init__(
-        self,
-        table_options: Mapping[str, KVTableOptions] | None = None,
-        fused_params: dict[str, Any] | None = None,
-        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
-        module_type: type[nn.Module] = EmbeddingBagCollection,
-    ) -> None:
-        super().__init__(table_options, fused_params, qcomm_codecs_registry, module_type)
-
     @staticmethod
     def table_configs(module: nn.Module) -> list[EmbeddingBagConfig]:
         return module.embedding_bag_configs()
@@ -74,26 +59,6 @@ class KVEmbeddingBagCollectionSharder(KVSharderBase, EmbeddingBagCollectionShard
     @property
     def sharded_module_type(self) -> type[ShardedKVEmbeddingBagCollection]:
         return ShardedKVEmbeddingBagCollection
-
-    def shard(
-        self,
-        module: nn.Module,
-        params: dict[str, ParameterSharding],
-        env: ShardingEnv,
-        device: torch.device | None = None,
-        module_fqn: str | None = None,
-    ) -> ShardedKVEmbeddingBagCollection:
-        self.check_unfilled(module)
-        return ShardedKVEmbeddingBagCollection(
-            module,
-            params,
-            env,
-            specs=self.table_specs(module),
-            fused_params=self.fused_params,
-            device=device,
-            qcomm_codecs_registry=self.qcomm_codecs_registry,
-            module_fqn=module_fqn,
-        )
 
 
 class KVEmbeddingCollectionSharder(KVSharderBase, EmbeddingCollectionSharder):
@@ -117,15 +82,6 @@ class KVEmbeddingCollectionSharder(KVSharderBase, EmbeddingCollectionSharder):
     stock_module = EmbeddingCollection
     kv_module = KVEmbeddingCollection
 
-    def __init__(
-        self,
-        table_options: Mapping[str, KVTableOptions] | None = None,
-        fused_params: dict[str, Any] | None = None,
-        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
-        module_type: type[nn.Module] = EmbeddingCollection,
-    ) -> None:
-        super().__init__(table_options, fused_params, qcomm_codecs_registry, module_type)
-
     @staticmethod
     def table_configs(module: nn.Module) -> list[EmbeddingConfig]:
         return module.embedding_configs()
@@ -133,23 +89,3 @@ class KVEmbeddingCollectionSharder(KVSharderBase, EmbeddingCollectionSharder):
     @property
     def sharded_module_type(self) -> type[ShardedKVEmbeddingCollection]:
         return ShardedKVEmbeddingCollection
-
-    def shard(
-        self,
-        module: nn.Module,
-        params: dict[str, ParameterSharding],
-        env: ShardingEnv,
-        device: torch.device | None = None,
-        module_fqn: str | None = None,
-    ) -> ShardedKVEmbeddingCollection:
-        self.check_unfilled(module)
-        return ShardedKVEmbeddingCollection(
-            module,
-            params,
-            env,
-            specs=self.table_specs(module),
-            fused_params=self.fused_params,
-            device=device,
-            qcomm_codecs_registry=self.qcomm_codecs_registry,
-            module_fqn=module_fqn,
-        )

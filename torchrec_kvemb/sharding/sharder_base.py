@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torchrec.distributed.types import ParameterSharding, ShardingEnv
 
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import KVTableOptions
@@ -53,8 +54,9 @@ class KVSharderBase:
     """Mixed in before a stock TorchRec sharder (bag or sequence collection): KV
     tables by name, planned ``customized_kernel`` row-wise or table-wise.
 
-    Subclasses name their module types (``stock_module``, ``kv_module``) and how
-    a module lists its table configs (``table_configs``).
+    Subclasses name their module types (``stock_module``, ``kv_module``), how a
+    module lists its table configs (``table_configs``) and the sharded module
+    they build (``sharded_module_type``).
 
     Example::
 
@@ -175,8 +177,16 @@ class KVSharderBase:
             optims[name] = table.optim
         return KVTableSpecs(options, optims)
 
-    def check_unfilled(self, module: nn.Module) -> None:
-        """Refuse a KV module whose tables already hold rows (they would be lost)."""
+    # ----------------------------------------------------------- sharding
+    def shard(
+        self,
+        module: nn.Module,
+        params: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> nn.Module:
+        """The sharded module (``sharded_module_type``) of ``module`` under ``params``."""
         if isinstance(module, self.kv_module):
             stored = {n: t.size for n, t in module.kv_tables().items() if t.size}
             if stored:
@@ -185,3 +195,13 @@ class KVSharderBase:
                     "freshly built collection (moving stored rows into shards is not "
                     "supported yet)"
                 )
+        return self.sharded_module_type(
+            module,
+            params,
+            env,
+            specs=self.table_specs(module),
+            fused_params=self.fused_params,
+            device=device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            module_fqn=module_fqn,
+        )
