@@ -7,7 +7,13 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_kvemb import EvictionPolicy, KVEmbeddingCollection, KVInputError, KVTableOptions
+from torchrec_kvemb import (
+    EvictionPolicy,
+    KVEmbeddingCollection,
+    KVInputError,
+    KVTableOptions,
+    SSDOptions,
+)
 from torchrec_kvemb.backend import ENV_VAR
 from torchrec_kvemb.ops import native
 
@@ -144,3 +150,40 @@ def test_kernels_match_the_torch_path(kernels, monkeypatch):
                 assert torch.equal(tables[name][key], value), f"{name} {key}"
             else:
                 torch.testing.assert_close(tables[name][key], value, atol=1e-5, rtol=1e-5)
+
+
+def test_ssd_tier_serves_sequences_like_memory(tmp_path, monkeypatch):
+    """A sequence table whose memory holds a quarter of its ids, over an SSD tier,
+    trains exactly as the same table all in memory (batches spread over its buckets;
+    both on the torch path, whose float sums are the same in both)."""
+    monkeypatch.setenv(ENV_VAR, "torch")
+    configs = [
+        EmbeddingConfig(
+            name="items", embedding_dim=DIM, num_embeddings=2**63 - 1, feature_names=["h"]
+        )
+    ]
+    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1}
+    ssd = SSDOptions(str(tmp_path / "ssd"))
+    tiered = KVEmbeddingCollection(
+        configs, KVTableOptions(capacity=256, ssd=ssd, seed=3), fused_params=fused
+    )
+    memory = KVEmbeddingCollection(
+        configs, KVTableOptions(capacity=4096, seed=3), fused_params=fused
+    )
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randint(0, 2**50, (900,), generator=gen)
+    for step in range(12):
+        lengths = torch.randint(0, 4, (13,), generator=gen)
+        ids = pool[torch.randint(0, pool.numel(), (int(lengths.sum()),), generator=gen)]
+        kjt = _kjt(ids, lengths, keys=("h",))
+        got, want = tiered(kjt)["h"].values(), memory(kjt)["h"].values()
+        assert torch.equal(got, want), f"step {step}"
+        grad = torch.randn(got.shape, generator=gen)
+        got.backward(grad)
+        want.backward(grad)
+    assert tiered.table("items").metrics()["demotions"] > 0  # the tier was used
+    stored = memory.table("items").export()
+    rows, found = tiered.table("items").find(stored["ids"])
+    assert bool(found.all())
+    assert torch.equal(rows, stored["weights"])
+    tiered.table("items").close()
