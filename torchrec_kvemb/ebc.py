@@ -10,11 +10,10 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_kvemb.bag_lookup import BagTable, KVBagLookup
+from torchrec_kvemb.collection import KVTablesMixin
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import KVTableOptions
 from torchrec_kvemb.state_dict.hooks import register_unsharded_hooks
-from torchrec_kvemb.state_dict.layout import TableLayout
-from torchrec_kvemb.table import KVTable
 
 
 def options_for(options: KVTableOptions | dict[str, KVTableOptions], table: str) -> KVTableOptions:
@@ -26,7 +25,7 @@ def options_for(options: KVTableOptions | dict[str, KVTableOptions], table: str)
     return options[table]
 
 
-class KVEmbeddingBagCollection(nn.Module):
+class KVEmbeddingBagCollection(KVTablesMixin, nn.Module):
     """EmbeddingBagCollection whose tables are KV (zero-collision) tables.
 
     Takes the same ``EmbeddingBagConfig``s; ``num_embeddings`` is the id-space
@@ -93,26 +92,6 @@ class KVEmbeddingBagCollection(nn.Module):
 
     def is_weighted(self) -> bool:
         return self._is_weighted
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    def table(self, name: str) -> KVTable:
-        """The KVTable named ``name``."""
-        return self._tables[name]
-
-    def kv_tables(self) -> dict[str, KVTable]:
-        """Every KVTable by name (``tables`` is not used: TorchRec's planner reads it)."""
-        return dict(self._tables)
-
-    def kv_layouts(self) -> list[TableLayout]:
-        """Every table as its state_dict and checkpoints see it (whole, in this process)."""
-        return [TableLayout.unsharded(table) for table in self._tables.values()]
-
-    def metrics(self) -> dict[str, dict[str, float]]:
-        """``KVTable.metrics()`` of every table, by name."""
-        return {name: t.metrics() for name, t in self._tables.items()}
 
     # -------------------------------------------------------------- prefetch
     def prefetch(

@@ -11,16 +11,15 @@ from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from torchrec_kvemb.bag_lookup import BagTable
+from torchrec_kvemb.collection import KVTablesMixin
 from torchrec_kvemb.ebc import options_for
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import KVTableOptions
 from torchrec_kvemb.sequence_lookup import KVSequenceLookup
 from torchrec_kvemb.state_dict.hooks import register_unsharded_hooks
-from torchrec_kvemb.state_dict.layout import TableLayout
-from torchrec_kvemb.table import KVTable
 
 
-class KVEmbeddingCollection(nn.Module):
+class KVEmbeddingCollection(KVTablesMixin, nn.Module):
     """EmbeddingCollection whose tables are KV (zero-collision) tables: one row per id,
     unpooled, for sequence models.
 
@@ -89,26 +88,6 @@ class KVEmbeddingCollection(nn.Module):
 
     def embedding_names_by_table(self) -> list[list[str]]:
         return get_embedding_names_by_table(self._embedding_configs)
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    def table(self, name: str) -> KVTable:
-        """The KVTable named ``name``."""
-        return self._tables[name]
-
-    def kv_tables(self) -> dict[str, KVTable]:
-        """Every KVTable by name."""
-        return dict(self._tables)
-
-    def kv_layouts(self) -> list[TableLayout]:
-        """Every table as its state_dict and checkpoints see it (whole, in this process)."""
-        return [TableLayout.unsharded(table) for table in self._tables.values()]
-
-    def metrics(self) -> dict[str, dict[str, float]]:
-        """``KVTable.metrics()`` of every table, by name."""
-        return {name: t.metrics() for name, t in self._tables.items()}
 
     # --------------------------------------------------------------- forward
     def forward(

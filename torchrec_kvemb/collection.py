@@ -1,0 +1,43 @@
+"""What the unsharded KV collections (bags and sequences) share: their tables by
+name, as layouts for state_dict and checkpoints, and their counters.
+
+Example::
+
+    class KVEmbeddingCollection(KVTablesMixin, nn.Module):
+        ...   # sets self._tables (name -> KVTable) and self._device
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchrec_kvemb.state_dict.layout import TableLayout
+from torchrec_kvemb.table import KVTable
+
+
+class KVTablesMixin:
+    """``table``, ``kv_tables``, ``kv_layouts``, ``metrics`` and ``device`` of a module
+    that sets ``_tables`` (its ``KVTable`` s by name) and ``_device``."""
+
+    _tables: dict[str, KVTable]
+    _device: torch.device
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def table(self, name: str) -> KVTable:
+        """The KVTable named ``name``."""
+        return self._tables[name]
+
+    def kv_tables(self) -> dict[str, KVTable]:
+        """Every KVTable by name."""
+        return dict(self._tables)
+
+    def kv_layouts(self) -> list[TableLayout]:
+        """Every table as its state_dict and checkpoints see it (whole, in this process)."""
+        return [TableLayout.unsharded(table) for table in self._tables.values()]
+
+    def metrics(self) -> dict[str, dict[str, float]]:
+        """``KVTable.metrics()`` of every table, by name."""
+        return {name: t.metrics() for name, t in self._tables.items()}
