@@ -44,32 +44,49 @@ class _Plan:
     group's); ``bag_lists[g]``: the bags of group ``g``'s features; ``positions[g]``:
     the KJT features group ``g`` outputs, in output order (None: all, in KJT order);
     ``columns``: the permutation of the groups' output columns into the lookup's
-    feature order (None: already in order)."""
+    feature order (None: already in order); ``expand``: when one KJT key feeds
+    several tables (a shared feature), the KJT key each (table, feature) reads,
+    whose bags are copied once per reader before the lookup (None: no copy)."""
 
     table_maps: list[torch.Tensor]
     mean_of_feature: torch.Tensor
     bag_lists: list[torch.Tensor]
     positions: list[torch.Tensor | None]
     columns: torch.Tensor | None
+    expand: torch.Tensor | None = None
+
+    @property
+    def num_keys(self) -> int:
+        """Features the groups see (the KJT's, or its expanded readers)."""
+        return self.mean_of_feature.numel()
 
     @classmethod
     def make(
-        cls, specs: Sequence[BagTable], where: dict, num_groups: int, keys: list[str], stride: int
+        cls,
+        specs: Sequence[BagTable],
+        where: dict,
+        num_groups: int,
+        sources: list[int],
+        num_keys: int,
+        stride: int,
     ) -> _Plan:
-        position = {k: i for i, k in enumerate(keys)}
-        maps = [torch.full((len(keys),), -1, dtype=torch.int64) for _ in range(num_groups)]
-        mean = torch.zeros(len(keys), dtype=torch.bool)
+        """``sources``: the KJT key each (table, feature) of ``specs`` reads, in spec
+        order; no key is read twice (shared features are expanded first)."""
+        maps = [torch.full((num_keys,), -1, dtype=torch.int64) for _ in range(num_groups)]
+        mean = torch.zeros(num_keys, dtype=torch.bool)
         outputs: list[list[int]] = [[] for _ in range(num_groups)]
         dims: list[int] = [0] * num_groups
         order = []  # (group, index in the group's output) of each output feature
+        slot = iter(sources)
         for spec in specs:
             g, t = where[spec.name]
             dims[g] = spec.dim
-            for feature in spec.features:
-                maps[g][position[feature]] = t
-                mean[position[feature]] = spec.mean
+            for _ in spec.features:
+                key = next(slot)
+                maps[g][key] = t
+                mean[key] = spec.mean
                 order.append((g, len(outputs[g])))
-                outputs[g].append(position[feature])
+                outputs[g].append(key)
         bag_lists = [
             (torch.tensor(out, dtype=torch.int64) * stride)
             .unsqueeze(1)
@@ -78,7 +95,7 @@ class _Plan:
             for out in (sorted(out) for out in outputs)
         ]
         positions = [
-            None if out == list(range(len(keys))) else torch.tensor(out, dtype=torch.int64)
+            None if out == list(range(num_keys)) else torch.tensor(out, dtype=torch.int64)
             for out in outputs
         ]
         starts, total = [], 0
@@ -98,6 +115,30 @@ class _Plan:
         identity = torch.equal(columns, torch.arange(columns.numel()))
         return cls(maps, mean, bag_lists, positions, None if identity else columns)
 
+    @classmethod
+    def for_keys(
+        cls, specs: Sequence[BagTable], where: dict, num_groups: int, keys: list[str], stride: int
+    ) -> _Plan:
+        """The plan of a KJT with these keys. The j-th table reading a feature takes
+        the j-th key of that name (a sharded input dist sends a shared feature once
+        per table), or the last one when there are fewer (an unsharded KJT has each
+        feature once): such a key's bags are then expanded once per reader."""
+        occurrences: dict[str, list[int]] = {}
+        for i, key in enumerate(keys):
+            occurrences.setdefault(key, []).append(i)
+        taken: dict[str, int] = {}
+        sources = []
+        for spec in specs:
+            for feature in spec.features:
+                found = occurrences[feature]
+                j = taken.get(feature, 0)
+                taken[feature] = j + 1
+                sources.append(found[min(j, len(found) - 1)])
+        if len(set(sources)) == len(sources):
+            return cls.make(specs, where, num_groups, sources, len(keys), stride)
+        plan = cls.make(specs, where, num_groups, list(range(len(sources))), len(sources), stride)
+        return replace(plan, expand=torch.tensor(sources, dtype=torch.int64))
+
     def to(self, device: torch.device) -> _Plan:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device)
@@ -108,6 +149,7 @@ class _Plan:
             [b.to(device) for b in self.bag_lists],
             [move(p) for p in self.positions],
             move(self.columns),
+            move(self.expand),
         )
 
 
@@ -127,7 +169,13 @@ class KVBagLookup:
     docstring). ``optims``: one optimizer for all tables, or one per table name.
     ``weights``: what the batch's per-sample weights are: ``"ignore"`` (an unweighted
     collection), ``"required"`` (a weighted one) or ``"if_present"`` (a sharded
-    kernel, whose input dist may send them)."""
+    kernel, whose input dist may send them).
+
+    A feature may feed several tables (as in TorchRec's collections): its bags are
+    then copied once per table before the lookup."""
+
+    #: Whether a feature may feed several tables (the sequence lookup says no).
+    shared_features: bool = True
 
     def __init__(
         self,
@@ -144,8 +192,11 @@ class KVBagLookup:
         self.device = torch.device(device or "cpu")
         self._weights = weights
         self._specs = list(tables)
+        for spec in tables:
+            if len(set(spec.features)) != len(spec.features):
+                raise ValueError(f"table {spec.name!r} reads a feature twice: {spec.features}")
         features = [f for t in tables for f in t.features]
-        if len(set(features)) != len(features):
+        if not self.shared_features and len(set(features)) != len(features):
             shared = sorted({f for f in features if features.count(f) > 1})
             raise ValueError(f"feature {shared[0]!r} is used by two tables")
 
@@ -217,16 +268,22 @@ class KVBagLookup:
         if stride == 0 or not keys:
             return torch.empty(stride, sum(s.dim * len(s.features) for s in self._specs))
         plan = self._plan(keys, stride)
-        n = ids.numel()
-        num_bags = lengths.numel()
-        offsets = torch.zeros(num_bags + 1, dtype=torch.int64, device=ids.device)
+        custom = self._custom_scores(features, eviction_scores) if eviction_scores else None
+        num_keys = plan.num_keys
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=ids.device)
         torch.cumsum(lengths, 0, out=offsets[1:])
+        if plan.expand is not None:
+            lengths, offsets, index = expand_bags(lengths, offsets, plan.expand, stride)
+            ids = ids.index_select(0, index)
+            weights = None if weights is None else weights.index_select(0, index)
+            if custom is not None:
+                custom = (custom[0].index_select(0, index), custom[1])
+        n = ids.numel()
         mean = False
         if any(spec.mean for spec in self._specs):
-            mean = plan.mean_of_feature.unsqueeze(1).expand(len(keys), stride).reshape(-1)
+            mean = plan.mean_of_feature.unsqueeze(1).expand(num_keys, stride).reshape(-1)
         bags = Bags.build(offsets, n, weights, mean)
         feature_of_id = torch.div(bags.bag_of, stride, rounding_mode="floor")
-        custom = self._custom_scores(features, eviction_scores) if eviction_scores else None
         blocks = []
         for group, table_of_feature, bag_list, positions in zip(
             self.groups, plan.table_maps, plan.bag_lists, plan.positions, strict=True
@@ -247,7 +304,7 @@ class KVBagLookup:
             else:
                 out = pooled_eval(group, ids, table_idx, bags, bag_list)
             # [features x stride, dim] (feature-major bags) -> [stride, features x dim]
-            out = out.view(len(keys), stride, group.dim)
+            out = out.view(num_keys, stride, group.dim)
             if positions is not None:
                 out = out.index_select(0, positions)
             blocks.append(out.transpose(0, 1).reshape(stride, -1))
@@ -260,7 +317,7 @@ class KVBagLookup:
         """How a batch of these KJT keys maps to the groups (made once per key order)."""
         cached = self._plans.get((tuple(keys), stride))
         if cached is None:
-            cached = _Plan.make(self._specs, self._where, len(self.groups), keys, stride)
+            cached = _Plan.for_keys(self._specs, self._where, len(self.groups), keys, stride)
             cached = cached.to(self.device)
             self._plans[(tuple(keys), stride)] = cached
         return cached
@@ -371,3 +428,24 @@ class KVBagLookup:
                 scores[lo:hi] = score.to(device=self.device, dtype=torch.int64)
             flags[spec.name] = True
         return scores, flags
+
+
+def expand_bags(
+    lengths: torch.Tensor, offsets: torch.Tensor, sources: torch.Tensor, stride: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The bags of keys ``sources`` (a key may repeat), key-major like a KJT's:
+    ``(lengths, offsets, index)`` where ``index`` picks each new id from the old ids.
+    One host sync (the new number of ids). Example: keys ``[a, b]`` with
+    ``sources = [0, 0, 1]`` give the bags of ``a``, ``a`` again, then ``b``."""
+    bag_source = (sources.unsqueeze(1) * stride + torch.arange(stride, device=sources.device)).view(
+        -1
+    )
+    new_lengths = lengths.index_select(0, bag_source)
+    new_offsets = offsets.new_zeros(new_lengths.numel() + 1)
+    torch.cumsum(new_lengths, 0, out=new_offsets[1:])
+    total = int(new_offsets[-1])
+    shift = offsets.index_select(0, bag_source) - new_offsets[:-1]
+    index = torch.arange(total, device=lengths.device) + torch.repeat_interleave(
+        shift, new_lengths, output_size=total
+    )
+    return new_lengths, new_offsets, index

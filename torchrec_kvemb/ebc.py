@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_kvemb.bag_lookup import BagTable, KVBagLookup
@@ -83,7 +84,9 @@ class KVEmbeddingBagCollection(nn.Module):
             weights="required" if is_weighted else "ignore",
         )
         self._tables = self._lookup.tables()
-        self._feature_names = [f for c in tables for f in c.feature_names]
+        # Output keys as the stock module names them: a feature read by several
+        # tables is "feature@table" for each.
+        self._embedding_names = [n for names in get_embedding_names_by_table(tables) for n in names]
         self._dims = [c.embedding_dim for c in tables for _ in c.feature_names]
         register_unsharded_hooks(self)  # state_dict: docs/checkpoint-format.md
 
@@ -161,4 +164,4 @@ class KVEmbeddingBagCollection(nn.Module):
         """Pool every feature's bags; ``eviction_scores`` (per feature, one int per id)
         feeds tables with ``EvictionPolicy.CUSTOM_SCORE``."""
         pooled = self._lookup.pooled(features, self.training, eviction_scores)
-        return KeyedTensor(keys=self._feature_names, length_per_key=self._dims, values=pooled)
+        return KeyedTensor(keys=self._embedding_names, length_per_key=self._dims, values=pooled)

@@ -120,10 +120,7 @@ class KVTableSpecs:
         return KVSequenceLookup(
             [BagTable(t.name, t.local_cols, tuple(t.feature_names)) for t in tables],
             {t.name: shard_options(self.options[t.name], num_shards) for t in tables},
-            {
-                t.name: self.optims.get(t.name) or optim_config(config.fused_params)
-                for t in tables
-            },
+            {t.name: self.optims.get(t.name) or optim_config(config.fused_params) for t in tables},
             device,
         )
 
