@@ -1,7 +1,5 @@
 """KVEmbeddingBagCollection: the unsharded drop-in for TorchRec's EmbeddingBagCollection."""
 
-from __future__ import annotations
-
 from typing import Any
 
 import torch
@@ -16,6 +14,7 @@ from torchrec_kvemb.options import KVTableOptions
 from torchrec_kvemb.state_dict.hooks import register_unsharded_hooks
 from torchrec_kvemb.state_dict.layout import TableLayout
 from torchrec_kvemb.table import KVTable
+from torchrec_kvemb.traceable import KVPooledModule
 
 
 def options_for(options: KVTableOptions | dict[str, KVTableOptions], table: str) -> KVTableOptions:
@@ -84,6 +83,8 @@ class KVEmbeddingBagCollection(nn.Module):
             weights="required" if is_weighted else "ignore",
         )
         self._tables = self._lookup.tables()
+        # The lookup as one module call: what fx tracing and scripting see of it.
+        self._pooled = KVPooledModule(self._lookup)
         # Output keys as the stock module names them: a feature read by several
         # tables is "feature@table" for each.
         self._embedding_names = [n for names in get_embedding_names_by_table(tables) for n in names]
@@ -162,6 +163,10 @@ class KVEmbeddingBagCollection(nn.Module):
         eviction_scores: dict[str, torch.Tensor] | None = None,
     ) -> KeyedTensor:
         """Pool every feature's bags; ``eviction_scores`` (per feature, one int per id)
-        feeds tables with ``EvictionPolicy.CUSTOM_SCORE``."""
-        pooled = self._lookup.pooled(features, self.training, eviction_scores)
+        feeds tables with ``EvictionPolicy.CUSTOM_SCORE``.
+
+        ``torch.fx.symbolic_trace`` / ``torchrec.fx.symbolic_trace`` and
+        ``torch.jit.script`` take this module (the lookup is one opaque call, see
+        :mod:`torchrec_kvemb.traceable`)."""
+        pooled = self._pooled(features, eviction_scores)
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._dims, values=pooled)
