@@ -207,6 +207,11 @@ class KVBagLookup:
         alone: list[BagTable] = []
         for spec in tables:
             if options[spec.name].ssd is not None:
+                if self.device.type == "meta":
+                    raise ValueError(
+                        f"table {spec.name!r}: an SSD tier cannot be built on the meta "
+                        "device (it writes files); build the collection on a real device"
+                    )
                 alone.append(spec)
             else:
                 optim = optim_of(spec.name)
@@ -264,6 +269,11 @@ class KVBagLookup:
         with ``EvictionPolicy.CUSTOM_SCORE``."""
         keys = features.keys()
         stride = features.stride()
+        if self.device.type == "meta":
+            # Tables on meta hold no rows: the output's shape, on meta, as stock
+            # modules on meta give (nothing is looked up, stored or checked).
+            out = torch.empty(stride, self._output_dim(keys), device=self.device)
+            return out.requires_grad_(training and torch.is_grad_enabled())
         ids, lengths, weights = self._checked(features)
         if stride == 0 or not keys:
             return torch.empty(stride, sum(s.dim * len(s.features) for s in self._specs))
@@ -312,6 +322,15 @@ class KVBagLookup:
             return torch.empty(stride, 0, device=ids.device)
         out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
         return out if plan.columns is None else out.index_select(1, plan.columns)
+
+    def _output_dim(self, keys: list[str]) -> int:
+        """Columns of the pooled output of a KJT with these keys (its missing
+        features are refused as a real lookup refuses them)."""
+        for spec in self._specs:
+            for feature in spec.features:
+                if feature not in keys:
+                    raise KVInputError(f"table {spec.name!r}: feature {feature!r} is missing")
+        return sum(spec.dim * len(spec.features) for spec in self._specs)
 
     def _plan(self, keys: list[str], stride: int) -> _Plan:
         """How a batch of these KJT keys maps to the groups (made once per key order)."""

@@ -60,7 +60,9 @@ class KVEmbeddingBagCollection(nn.Module):
         super().__init__()
         self._is_weighted = is_weighted
         self._embedding_bag_configs = list(tables)
-        self._device = torch.device(device or "cpu")
+        # No device: the default one, as the stock module's parameters take it
+        # (``with torch.device("meta"):`` builds the tables on meta).
+        self._device = torch.device(device) if device is not None else torch.get_default_device()
         self._optim = FusedOptimConfig.from_fused_params(fused_params)
         names = [c.name for c in tables]
         if len(set(names)) != len(names):
