@@ -10,7 +10,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_kvemb.bag_lookup import BagTable, KVBagLookup
 from torchrec_kvemb.optimizer import FusedOptimConfig
-from torchrec_kvemb.options import KVTableOptions
+from torchrec_kvemb.options import KVTableOptions, with_config_init
 from torchrec_kvemb.state_dict.hooks import register_unsharded_hooks
 from torchrec_kvemb.state_dict.layout import TableLayout
 from torchrec_kvemb.table import KVTable
@@ -79,7 +79,7 @@ class KVEmbeddingBagCollection(nn.Module):
                 )
                 for c in tables
             ],
-            {c.name: options_for(options, c.name) for c in tables},
+            {c.name: with_config_init(options_for(options, c.name), c) for c in tables},
             self._optim,
             self._device,
             weights="required" if is_weighted else "ignore",

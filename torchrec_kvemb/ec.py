@@ -13,7 +13,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from torchrec_kvemb.bag_lookup import BagTable
 from torchrec_kvemb.ebc import options_for
 from torchrec_kvemb.optimizer import FusedOptimConfig
-from torchrec_kvemb.options import KVTableOptions
+from torchrec_kvemb.options import KVTableOptions, with_config_init
 from torchrec_kvemb.sequence_lookup import KVSequenceLookup
 from torchrec_kvemb.state_dict.hooks import register_unsharded_hooks
 from torchrec_kvemb.state_dict.layout import TableLayout
@@ -70,7 +70,7 @@ class KVEmbeddingCollection(nn.Module):
             )
         self._lookup = KVSequenceLookup(
             [BagTable(c.name, c.embedding_dim, tuple(c.feature_names)) for c in tables],
-            {c.name: options_for(options, c.name) for c in tables},
+            {c.name: with_config_init(options_for(options, c.name), c) for c in tables},
             self._optim,
             self._device,
         )

@@ -31,7 +31,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvemb.bag_lookup import BagTable, KVBagLookup
 from torchrec_kvemb.optimizer import OPTIMIZER_KEYS, FusedOptimConfig
-from torchrec_kvemb.options import KVTableOptions
+from torchrec_kvemb.options import KVTableOptions, with_config_init
 from torchrec_kvemb.sequence_lookup import KVSequenceLookup
 from torchrec_kvemb.sharding.fused_optimizer import KVFusedOptimizer
 from torchrec_kvemb.table import KVTable
@@ -85,6 +85,12 @@ class KVTableSpecs:
     options: Mapping[str, KVTableOptions]
     optims: Mapping[str, FusedOptimConfig] = field(default_factory=dict)
 
+    def table_options(self, table: ShardedEmbeddingTable, num_shards: int) -> KVTableOptions:
+        """A table's options on this rank: one of ``num_shards`` equal shards, its
+        initial rows drawn as TorchRec's sharded table would (its config's range)."""
+        options = with_config_init(self.options[table.name], table, init_fn=False)
+        return shard_options(options, num_shards)
+
     def bag_lookup(
         self,
         config: GroupedEmbeddingConfig,
@@ -106,7 +112,7 @@ class KVTableSpecs:
                 )
                 for t in tables
             ],
-            {t.name: shard_options(self.options[t.name], num_shards) for t in tables},
+            {t.name: self.table_options(t, num_shards) for t in tables},
             {t.name: self.optims.get(t.name) or optim_config(config.fused_params) for t in tables},
             device,
             weights="if_present",
@@ -119,7 +125,7 @@ class KVTableSpecs:
         tables: list[ShardedEmbeddingTable] = config.embedding_tables
         return KVSequenceLookup(
             [BagTable(t.name, t.local_cols, tuple(t.feature_names)) for t in tables],
-            {t.name: shard_options(self.options[t.name], num_shards) for t in tables},
+            {t.name: self.table_options(t, num_shards) for t in tables},
             {t.name: self.optims.get(t.name) or optim_config(config.fused_params) for t in tables},
             device,
         )
