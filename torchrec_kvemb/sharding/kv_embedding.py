@@ -192,9 +192,10 @@ class KVEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
         """Nothing cached (called after ``load_state_dict``)."""
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        if features.variable_stride_per_key():
-            raise ValueError("KV tables: variable batch size per feature is not supported yet")
-        return self._lookup.pooled(features, self.training)
+        """``[stride, sum of feature dims]``; with a batch size per feature and source
+        rank (VBE), TorchRec's flat VBE layout (rank, feature, sample, column), as a
+        TBE gives for ``batch_size_per_feature_per_rank``."""
+        return self._lookup.pooled(features, self.training, variable_batch=True)
 
 
 class KVGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
@@ -244,6 +245,18 @@ class KVGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
         row_wise = sharding_type == ShardingType.ROW_WISE
         lookup = self._kv_specs.bag_lookup(config, device, self._kv_num_shards, row_wise)
         return KVEmbeddingBag(config, lookup, group=pg, row_wise=row_wise)
+
+    def forward(self, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
+        """The stock lookup; with VBE and several KV kernels, their flat outputs are
+        merged rank-major (TorchRec's layout for several TBEs), since KV kernels
+        make their own output rather than write into a preallocated one."""
+        if sparse_features.variable_stride_per_key() and len(self._emb_modules) > 1:
+            features_by_group = sparse_features.split(self._feature_splits)
+            embeddings = self._forward(features_by_group)
+            return self._merge_variable_batch_embeddings(
+                embeddings, self._vbe_splits(features_by_group)
+            )
+        return super().forward(sparse_features)
 
     def kv_tables(self) -> dict[str, KVTable]:
         """This rank's KV table shards, by table name."""
