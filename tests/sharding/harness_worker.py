@@ -144,6 +144,7 @@ def run(scenario: str) -> None:
         optim=EmbOptimType.EXACT_SGD,
         constraints=constraints,
         apply_optimizer_in_backward_config=in_backward,
+        variable_batch_per_feature="vbe" in flags,
         random_seed=7,
     )
 
