@@ -15,7 +15,7 @@ TORCHREC := torchrec==1.9.2
 TORCHREC_NEEDS := tensordict torchmetrics==1.0.3 tqdm pyre-extensions
 TOOLS := triton==3.9.0 numpy pytest ruff matplotlib
 
-.PHONY: install test lint format demo bench clean
+.PHONY: install test lint format demo demo-seq bench clean
 
 install: $(STAMP) $(PACKAGE)
 
@@ -56,6 +56,16 @@ demo: install
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node 2 \
 		examples/train_dlrm.py --workdir $(DEMO_DIR) $(DEMO_FLAGS) && \
 	echo "make demo: done in $$(( $$(date +%s) - start )) s (outputs in $(DEMO_DIR)/)"
+
+# The sequence model (KV EmbeddingCollection) on 2 processes, then its world-size-1
+# reload (examples/train_sequence.py; e.g. DEMO_FLAGS="--weights-dtype float16").
+SEQ_DEMO_DIR ?= demo_seq_out
+
+demo-seq: install
+	@start=$$(date +%s); \
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node 2 \
+		examples/train_sequence.py --workdir $(SEQ_DEMO_DIR) $(DEMO_FLAGS) && \
+	echo "make demo-seq: done in $$(( $$(date +%s) - start )) s (outputs in $(SEQ_DEMO_DIR)/)"
 
 bench: install
 	OMP_NUM_THREADS=2 $(BIN)/python -m benchmarks.run

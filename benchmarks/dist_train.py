@@ -65,7 +65,7 @@ KV = "KV row-wise"
 KV_TW = "KV table-wise"
 TBE = "TBE table-wise"
 #: KV must reach this fraction of the stock path's ids/s.
-TARGET = 0.6
+TARGET = 0.7
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,7 @@ class Target:
     minimum: float
 
 
-TARGETS = (Target("train", TBE, 0.7), Target("train", MCH, 3.0), Target("eval", TBE, 0.7))
+TARGETS = (Target("train", TBE, 0.8), Target("train", MCH, 3.0), Target("eval", TBE, 0.8))
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,10 @@
 Runs, in turn, each benchmark module's ``main``:
 
 * ``ebc``: KV EBC train/eval vs FBGEMM's TBE and TorchRec's MCH (``benchmarks.ebc_train``);
+* ``ec``: KV sequence lookups (``KVEmbeddingCollection``) train/eval vs TorchRec's
+  ``EmbeddingCollection`` and FBGEMM's sequence TBE (``benchmarks.ec_train``);
+* ``precision``: KV EBC training with float16 / bfloat16 rows vs float32 rows, and
+  the bytes per row (``benchmarks.precision``);
 * ``dist``: distributed train step, KV row-wise vs stock table-wise
   (``benchmarks.dist_train``, which launches its own ``torchrun`` job);
 * ``ssd``: a tenth of the ids in memory with the SSD tier vs all in memory
@@ -41,7 +45,7 @@ from pathlib import Path
 
 from benchmarks.common import format_ratio, format_table, machine_summary, markdown_table
 
-BENCHMARKS = ("ebc", "dist", "ssd", "checkpoint")
+BENCHMARKS = ("ebc", "ec", "precision", "dist", "ssd", "checkpoint")
 RESULTS_FILE = "benchmark-results.md"
 GPU_RESULTS_FILE = "benchmark-results-gpu.md"
 HEADERS = ("benchmark", "ratio", "KV", "baseline", "value", "target", "")
@@ -95,6 +99,36 @@ def run_ebc(quick: bool, extra: Sequence[str] = ()) -> tuple[list[Row], object]:
         base = result.get(target.baseline, target.mode).ids_per_s / 1e6
         what = f"KV / {target.baseline} {target.mode}"
         rows.append(Row("ebc", what, kv, base, "M ids/s", target.minimum))
+    return rows, result
+
+
+def run_ec(quick: bool) -> tuple[list[Row], object]:
+    from benchmarks import ec_train
+
+    result = ec_train.main(["--quick"] if quick else [])
+    rows = []
+    for target in ec_train.TARGETS + ec_train.REPORTED:
+        kv = result.ids_per_s(ec_train.KV, target.mode) / 1e6
+        base = result.ids_per_s(target.baseline, target.mode) / 1e6
+        what = f"KV / {target.baseline} {target.mode}"
+        rows.append(Row("ec", what, kv, base, "M ids/s", target.minimum or None))
+    return rows, result
+
+
+def run_precision(quick: bool) -> tuple[list[Row], object]:
+    from benchmarks import precision
+
+    result = precision.main(["--quick"] if quick else [])
+    rows = []
+    for name in ("float16", "bfloat16"):
+        kv = result.ids_per_s(name) / 1e6
+        base = result.ids_per_s("float32") / 1e6
+        rows.append(Row("precision", f"KV {name} / float32 train", kv, base, "M ids/s", None))
+        per_row = f"KV {name} / float32 bytes per row"
+        rows.append(
+            Row("precision", per_row, result.bytes_per_row[name],
+                result.bytes_per_row["float32"], "B", None)
+        )  # fmt: skip
     return rows, result
 
 
@@ -174,6 +208,8 @@ def run_gpu(quick: bool, device: str) -> tuple[list[Row], object]:
 
 RUNNERS: dict[str, Callable[[bool], tuple[list[Row], object]]] = {
     "ebc": run_ebc,
+    "ec": run_ec,
+    "precision": run_precision,
     "dist": run_dist,
     "ssd": run_ssd,
     "checkpoint": run_checkpoint,

@@ -17,7 +17,7 @@ extern "C" {
 
 // Bump on any change of a signature or struct below; native.py refuses a
 // library whose version differs (a stale build).
-#define KV_ABI_VERSION 1
+#define KV_ABI_VERSION 2
 
 enum KvStatus {
   KV_OK = 0,
@@ -79,7 +79,7 @@ typedef struct KvTrainArgs {
   int64_t* keys;    // [NB, 16], -1: empty way
   int64_t* scores;  // [NB, 16]
   int64_t num_buckets_total;
-  float* weights;  // [NB * 16, dim]
+  float* weights;  // [NB * 16, dim], or null: new rows' weights are the caller's to write
   int64_t dim;
   float* state;  // [NB * 16, state_dim]
   int64_t state_dim;

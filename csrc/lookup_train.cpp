@@ -458,14 +458,15 @@ class TrainLookup {
   }
 
   // New rows of the uniques [u0, u1) inserted in this call: initial weights
-  // (uniform tables) and zero state. A pass of its own, after the part's
+  // (uniform tables; none without a float32 weights array, whose caller writes
+  // them) and zero state. A pass of its own, after the part's
   // buckets are settled (why: written right at insert time, each row's
   // cache misses stalled the insert; here rows are prefetched a few ahead).
   void write_new_rows(int64_t u0, int64_t u1) {
     const int64_t dim = a_.dim, state_dim = a_.state_dim;
     constexpr int64_t kAhead = 4;
     for (int64_t u = u0; u < u1; ++u) {
-      if (u + kAhead < u1 && (u_flags_[u + kAhead] & kInserted)) {
+      if (a_.weights && u + kAhead < u1 && (u_flags_[u + kAhead] & kInserted)) {
         const int64_t ahead = u_slot_[u + kAhead];
         for (int64_t b = 0; b < dim * 4; b += 64) {
           __builtin_prefetch(reinterpret_cast<const char*>(a_.weights + ahead * dim) + b, 1);
@@ -475,7 +476,7 @@ class TrainLookup {
       if (!(u_flags_[u] & kInserted)) continue;
       const int64_t slot = u_slot_[u];
       const TableInfo& tab = tables_[u_table_[u]];
-      if (tab.init_native) tab.init.fill(a_.weights + slot * dim, dim, u_id_[u]);
+      if (tab.init_native && a_.weights) tab.init.fill(a_.weights + slot * dim, dim, u_id_[u]);
       if (state_dim) std::memset(a_.state + slot * state_dim, 0, sizeof(float) * state_dim);
     }
   }

@@ -25,6 +25,10 @@ Training, for ``n`` ids of ``T`` tables:
 Evaluation: ``group_probe_kernel`` (one lane per id). Every launch has one
 program per block of ``n``: programs past the batch's uniques or buckets mask
 everything off.
+
+Why one file of some 550 lines: the three kernels and their host side share the
+buffers and codes of one lookup (``KIND_*``, the per-unique arrays, the bucket
+order); split apart, a change to one buffer's meaning would span files.
 """
 
 # Triton's convention: constexpr kernel arguments are UPPER_CASE.
@@ -38,6 +42,7 @@ import triton.language as tl
 
 from torchrec_kvemb.contracts import INT64_MAX, GroupLayout, GroupLookup, stable_argsort
 from torchrec_kvemb.kernels.hashing import index_bucket, init_values_any
+from torchrec_kvemb.kernels.rounding import round_to
 
 # Kinds of a batch's unique ids after the find step.
 KIND_NONE = 0  # not an id of the group (or a padding lane)
@@ -286,6 +291,7 @@ def group_insert_kernel(
                 cols = d0 + tl.arange(0, BLOCK_D)
                 mask = won[:, None] & (cols < dim)[None, :]
                 rows = init_values_any(cand_key, cols, seed, normal, a, b)
+                rows = round_to(rows, weights_ptr.dtype.element_ty)
                 tl.store(weights_ptr + slot[:, None] * dim + cols[None, :], rows, mask=mask)
             for d0 in range(0, state_dim, BLOCK_D):
                 cols = d0 + tl.arange(0, BLOCK_D)

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from torchrec_kvemb.contracts import Bags, GroupLayout
 from torchrec_kvemb.kernels.hashing import init_values_any
+from torchrec_kvemb.kernels.rounding import round_to
 
 # why 128: a warp reads 128 fp32 columns (512 B) of a row as whole cache lines.
 MAX_BLOCK_D = 128
@@ -172,7 +173,7 @@ def group_fused_bwd_kernel(
                     grad_ptr, order_ptr, bag_of_ptr, scale_ptr, start, end, cols, col_mask,
                     go_stride, HAS_SCALE, BLOCK_N, BLOCK_D,
                 )  # fmt: skip
-                w = tl.load(w_row + cols, mask=col_mask, other=0.0)
+                w = tl.load(w_row + cols, mask=col_mask, other=0.0).to(tl.float32)
                 g = _transformed(g, w, decay, max_gradient, L2, CLIP)
                 sq += tl.where(col_mask, g * g, 0.0)
             acc = tl.load(s_row) + tl.sum(sq, axis=0) / dim
@@ -185,7 +186,7 @@ def group_fused_bwd_kernel(
                 grad_ptr, order_ptr, bag_of_ptr, scale_ptr, start, end, cols, col_mask,
                 go_stride, HAS_SCALE, BLOCK_N, BLOCK_D,
             )  # fmt: skip
-            w = tl.load(w_row + cols, mask=col_mask, other=0.0)
+            w = tl.load(w_row + cols, mask=col_mask, other=0.0).to(tl.float32)
             g = _transformed(g, w, decay, max_gradient, L2, CLIP)
             if KIND == 2:
                 m_ptrs = s_row + cols
@@ -201,7 +202,8 @@ def group_fused_bwd_kernel(
                 new_w = w - multiplier * g
             if DECOUPLE:
                 new_w = new_w - lr * decay * w
-            tl.store(w_row + cols, new_w, mask=col_mask)
+            # Half-precision rows: float32 math, rounded to nearest-even on store.
+            tl.store(w_row + cols, round_to(new_w, weights_ptr.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
@@ -229,7 +231,7 @@ def group_pooled_forward_triton(
     computed for the bags in ``bag_list`` (the group's; the other rows are zeros)."""
     dim = weights.shape[1]
     num_bags = bags.offsets.numel() - 1
-    out = torch.zeros(num_bags, dim, dtype=weights.dtype, device=weights.device)
+    out = torch.zeros(num_bags, dim, dtype=torch.float32, device=weights.device)
     if bag_list.numel() == 0 or dim == 0:
         return out
     scale = bags.scale.contiguous() if bags.scale is not None else slots

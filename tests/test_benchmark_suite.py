@@ -16,15 +16,16 @@ def _table_rows(text: str) -> list[list[str]]:
 
 
 def test_quick_suite_writes_table_and_plots(tmp_path: Path) -> None:
-    rows = run.main(["--quick", "--only", "ebc,ssd,checkpoint", "--out-dir", str(tmp_path)])
-    assert {r.benchmark for r in rows} == {"ebc", "ssd", "checkpoint"}
+    only = "ebc,ec,precision,ssd,checkpoint"
+    rows = run.main(["--quick", "--only", only, "--out-dir", str(tmp_path)])
+    assert {r.benchmark for r in rows} == {"ebc", "ec", "precision", "ssd", "checkpoint"}
     assert all(r.kv > 0 and r.baseline > 0 and r.ratio > 0 for r in rows)
 
     text = (tmp_path / run.RESULTS_FILE).read_text()
     table = _table_rows(text)
     assert len(table) == len(rows)
     assert [cells[0] for cells in table] == [r.benchmark for r in rows]
-    for name in ("ebc", "ssd", "checkpoint"):
+    for name in ("ebc", "ec", "precision", "ssd", "checkpoint"):
         assert any(cells[0] == name for cells in table), name
     assert not any(cells[0] == "dist" for cells in table)
     assert "Machine: " in text and "python -m benchmarks.run --quick" in text

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import ebc_train
+from benchmarks import ebc_train, ec_train
 from benchmarks.common import ZipfIds, format_table, markdown_table, spread_ids
 
 TINY = [
@@ -37,6 +37,16 @@ def test_ebc_train_runs_all_systems(tmp_path: Path) -> None:
     assert result.kv_steady["load_factor"] > 0
     text = out.read_text()
     assert "| KV/TBE train |" in text and "| MCH | eval |" in text
+
+
+def test_ec_train_runs_all_systems(tmp_path: Path) -> None:
+    out = tmp_path / "ec.md"
+    result = ec_train.main([*TINY, "--out", str(out)])
+    for system in ec_train.SYSTEMS:
+        for mode in ("train", "eval"):
+            assert result.ids_per_s(system, mode) > 0, (system, mode)
+    text = out.read_text()
+    assert "| KV/EC train |" in text and "| seq TBE |" in text
 
 
 def test_zipf_ids_in_range_and_skewed() -> None:

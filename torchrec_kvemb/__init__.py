@@ -11,7 +11,7 @@ from torchrec_kvemb.options import (
     KVTableOptions,
     SSDOptions,
 )
-from torchrec_kvemb.sharding import KVEmbeddingBagCollectionSharder
+from torchrec_kvemb.sharding import KVEmbeddingBagCollectionSharder, KVEmbeddingCollectionSharder
 from torchrec_kvemb.table import KVTable
 from torchrec_kvemb.tiered import TieredKVTable
 from torchrec_kvemb.validation import KVInputError
@@ -25,6 +25,7 @@ __all__ = [
     "KVEmbeddingBagCollection",
     "KVEmbeddingBagCollectionSharder",
     "KVEmbeddingCollection",
+    "KVEmbeddingCollectionSharder",
     "KVInputError",
     "KVTable",
     "KVTableOptions",

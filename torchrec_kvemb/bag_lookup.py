@@ -99,10 +99,14 @@ class KVBagLookup:
                 alone.append(spec)
             else:
                 optim = optim_of(spec.name)
-                key = (spec.dim, replace(optim, learning_rate=0.0))
+                key = (
+                    spec.dim,
+                    replace(optim, learning_rate=0.0),
+                    options[spec.name].weights_dtype,
+                )
                 by_key.setdefault(key, []).append(spec)
         self.groups: list[KVTableGroup] = []
-        for (dim, _), specs in by_key.items():
+        for (dim, _, _), specs in by_key.items():
             names = [s.name for s in specs]
             self.groups.append(
                 KVTableGroup(

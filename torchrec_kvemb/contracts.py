@@ -162,7 +162,7 @@ class TableStorage(NamedTuple):
 
     keys: torch.Tensor  # [rows / WAYS, WAYS] int64, -1: empty
     scores: torch.Tensor  # [rows / WAYS, WAYS] int64
-    weights: torch.Tensor  # [rows, dim] float32
+    weights: torch.Tensor  # [rows, dim] float32, float16 or bfloat16
     state: torch.Tensor  # [rows, state_dim] float32
     counter_keys: torch.Tensor  # [counter_ids / WAYS, WAYS] int64
     counter_scores: torch.Tensor  # [counter_ids / WAYS, WAYS] int64
@@ -176,15 +176,16 @@ class TableStorage(NamedTuple):
         state_dim: int,
         counter_ids: int,
         device: torch.device | str | None = None,
+        weights_dtype: torch.dtype = torch.float32,
     ) -> TableStorage:
-        """Empty arrays for ``rows`` rows and ``counter_ids`` admission entries (both
-        multiples of ``WAYS``)."""
+        """Empty arrays for ``rows`` rows (of ``weights_dtype``) and ``counter_ids``
+        admission entries (both multiples of ``WAYS``)."""
         keys = torch.full((rows // WAYS, WAYS), -1, dtype=torch.int64, device=device)
         counter_keys = torch.full((counter_ids // WAYS, WAYS), -1, dtype=torch.int64, device=device)
         return cls(
             keys,
             torch.zeros_like(keys),
-            torch.zeros(rows, dim, dtype=torch.float32, device=device),
+            torch.zeros(rows, dim, dtype=weights_dtype, device=device),
             torch.zeros(rows, state_dim, dtype=torch.float32, device=device),
             counter_keys,
             torch.zeros_like(counter_keys),

@@ -43,6 +43,7 @@ from torchrec_kvemb.ops.optimizer_update import (
 from torchrec_kvemb.ops.pooled_lookup import (
     group_pooled_backward_torch,
     group_pooled_forward_torch,
+    group_rows_forward_torch,
 )
 from torchrec_kvemb.ops.probe import probe_torch
 from torchrec_kvemb.optimizer import OptimKind, WeightDecay
@@ -147,7 +148,8 @@ def block_bucketize_2d(
 def group_backend(device: torch.device, per_table_only: bool = False) -> str:
     """The backend of a group's lookups: ``"triton"``, ``"native"``, or ``"torch"``
     (the per-table path, which the group runs itself; also for a group that only
-    it can serve)."""
+    it can serve). The native lookup serves every row dtype, its backward float32
+    rows only (``group_fused_backward`` chooses)."""
     if per_table_only:
         return "torch"
     if use_triton(device):
@@ -272,6 +274,28 @@ def group_pooled_forward(
     )
 
 
+def group_rows_forward(
+    layout: GroupLayout,
+    weights: torch.Tensor,
+    slots: torch.Tensor,
+    ids: torch.Tensor,
+    table_idx: torch.Tensor,
+    bags: Bags,
+    missing_as_zero: bool,
+) -> torch.Tensor:
+    """One row per id ``[n, dim]`` of a group's batch whose every id is a bag of its
+    own (``bags``), unpooled: a sequence lookup's forward."""
+    if use_triton(slots.device):
+        from torchrec_kvemb.kernels import group_pooled as kernel
+
+        return kernel.group_pooled_forward_triton(
+            layout, weights, slots, ids, table_idx, bags, bags.bag_of, missing_as_zero
+        )
+    return group_rows_forward_torch(
+        weights, slots, ids, table_idx, layout.init_specs, missing_as_zero
+    )
+
+
 def group_fused_backward(
     storage: TableStorage,
     optim: GroupOptimizer,
@@ -286,7 +310,8 @@ def group_fused_backward(
     slots = lookup.slots
     config = optim.config
     weights, state = storage.weights, storage.state
-    if lookup.unique_index is not None and native.use_native(slots.device):
+    native_rows = weights.dtype == torch.float32  # the native backward's rows
+    if lookup.unique_index is not None and native_rows and native.use_native(slots.device):
         native.fused_backward_group(
             weights,
             state,

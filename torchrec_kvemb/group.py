@@ -81,11 +81,18 @@ class KVTableGroup:
                 )
             if opts.ssd is not None:
                 raise ValueError(f"table {name!r}: a table with an SSD tier is not grouped")
+            if opts.weights_dtype != options[0].weights_dtype:
+                raise ValueError(
+                    f"table {name!r}: the tables of a group share one weights_dtype "
+                    f"({options[0].weights_dtype}); got {opts.weights_dtype}"
+                )
         device = torch.device(device or "cpu")
         memories = [table_memory(o, dim, first) for o in options]
         rows = [m.rows for m in memories]
         counted = [m.counter_ids for m in memories]
-        storage = TableStorage.allocate(sum(rows), dim, memories[0].state_dim, sum(counted), device)
+        storage = TableStorage.allocate(
+            sum(rows), dim, memories[0].state_dim, sum(counted), device, options[0].weights_dtype
+        )
         tables = []
         row0 = counter0 = 0
         for name, opts, config, n, c in zip(names, options, optims, rows, counted, strict=True):
@@ -187,7 +194,7 @@ class KVTableGroup:
         apply per table); every table's clock advances by one. ``custom_scores``
         (one per id) feed the CUSTOM_SCORE tables flagged in ``custom_tables``
         (default: all of them)."""
-        backend = dispatch.group_backend(ids.device, self.per_table_only)
+        backend = self.backend(ids.device)
         if backend == "torch":
             return self.lookup_train_per_table(ids, table_idx, custom_scores, custom_tables)
         step = self.advance_clocks()
@@ -208,6 +215,10 @@ class KVTableGroup:
             self._scratch(backend),
         )
 
+    def backend(self, device: torch.device) -> str:
+        """The backend of this group's lookups on ``device`` (``dispatch.group_backend``)."""
+        return dispatch.group_backend(device, self.per_table_only)
+
     def _scratch(self, backend: str) -> object | None:
         """The group's scratch memory for ``backend`` (made on first use)."""
         if backend not in self._workspaces:
@@ -216,7 +227,7 @@ class KVTableGroup:
 
     def lookup_eval(self, ids: torch.Tensor, table_idx: torch.Tensor) -> torch.Tensor:
         """Global slots of an evaluation batch (read-only); -1 for ids not stored."""
-        backend = dispatch.group_backend(ids.device, self.per_table_only)
+        backend = self.backend(ids.device)
         if backend == "torch":
             return self.lookup_eval_per_table(ids, table_idx)
         return dispatch.group_lookup_eval(
@@ -238,6 +249,20 @@ class KVTableGroup:
             self.layout, self.weights, slots, ids, table_idx, bags, bag_list, missing_as_zero
         )
 
+    def rows_forward(
+        self,
+        slots: torch.Tensor,
+        ids: torch.Tensor,
+        table_idx: torch.Tensor,
+        bags: Bags,
+        missing_as_zero: bool,
+    ) -> torch.Tensor:
+        """One row per id ``[n, dim]`` of a batch whose every id is a bag of its own
+        (ids of another group's tables get zeros): a sequence lookup's forward."""
+        return dispatch.group_rows_forward(
+            self.layout, self.weights, slots, ids, table_idx, bags, missing_as_zero
+        )
+
     def fused_backward(self, lookup: GroupLookup, grad_out: torch.Tensor, bags: Bags) -> None:
         """One optimizer step of every table from the gradient of its pooled rows."""
         steps = self.advance_optimizer_steps()
@@ -250,7 +275,7 @@ class KVTableGroup:
             rows=tuple(t.capacity for t in self.tables),
             row_ends=self._row_ends,
         )
-        scratch = self._scratch(dispatch.group_backend(grad_out.device, self.per_table_only))
+        scratch = self._scratch(self.backend(grad_out.device))
         dispatch.group_fused_backward(self.storage, optim, lookup, grad_out, bags, scratch)
 
     def advance_clocks(self) -> torch.Tensor:

@@ -28,6 +28,8 @@ class GroupPooledLookup(torch.autograd.Function):
         ctx.group = group
         ctx.lookup = lookup
         ctx.bags = bags
+        if bag_list is None:  # every id a bag of its own: its row, unpooled
+            return group.rows_forward(lookup.slots, ids, table_idx, bags, False)
         return group.pooled_forward(lookup.slots, ids, table_idx, bags, bag_list, False)
 
     @staticmethod
@@ -42,12 +44,13 @@ def pooled_train(
     ids: torch.Tensor,
     table_idx: torch.Tensor,
     bags: Bags,
-    bag_list: torch.Tensor,
+    bag_list: torch.Tensor | None,
     custom_scores: torch.Tensor | None = None,
     custom_tables: list[bool] | None = None,
 ) -> torch.Tensor:
     """A training batch of the group: new ids get rows, the pooled rows ``[B, dim]``
-    (meaningful for the bags in ``bag_list``) come out tied into autograd, and
+    (meaningful for the bags in ``bag_list``; ``None``: every id is a bag of its
+    own and its row comes out, ``[n, dim]``) come out tied into autograd, and
     backward updates the rows."""
     lookup: GroupLookup = group.lookup_train(ids, table_idx, custom_scores, custom_tables)
     return GroupPooledLookup.apply(anchor, group, lookup, ids, table_idx, bags, bag_list)
@@ -58,8 +61,11 @@ def pooled_eval(
     ids: torch.Tensor,
     table_idx: torch.Tensor,
     bags: Bags,
-    bag_list: torch.Tensor,
+    bag_list: torch.Tensor | None,
 ) -> torch.Tensor:
-    """An evaluation batch of the group (read-only): ids without a row pool zeros."""
+    """An evaluation batch of the group (read-only): ids without a row pool zeros
+    (``bag_list`` as for ``pooled_train``)."""
     slots = group.lookup_eval(ids, table_idx)
+    if bag_list is None:
+        return group.rows_forward(slots, ids, table_idx, bags, True)
     return group.pooled_forward(slots, ids, table_idx, bags, bag_list, True)

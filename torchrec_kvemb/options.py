@@ -86,6 +86,10 @@ class SSDOptions:
             raise ValueError(f"SSDOptions: io_threads must be >= 1, got {self.io_threads}")
 
 
+#: The row dtypes a table can store.
+ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 @dataclass(frozen=True)
 class KVTableOptions:
     """Options of one KV table (or of every table, when shared).
@@ -124,9 +128,18 @@ class KVTableOptions:
     #: 8! = 2^7 3^2 5 7 splits evenly over world sizes 1-10, 12, 16, 24, 32, 64, 128, ...
     total_num_buckets: int = 40320
     ssd: SSDOptions | None = None
+    #: How rows are stored: ``torch.float32``, ``torch.float16`` or ``torch.bfloat16``
+    #: (docs/precision.md). Lookups pool and updates compute in float32 either way;
+    #: optimizer state stays float32.
+    weights_dtype: torch.dtype = torch.float32
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
+        if self.weights_dtype not in ROW_DTYPES:
+            raise ValueError(
+                f"KVTableOptions: weights_dtype must be one of "
+                f"{', '.join(str(d) for d in ROW_DTYPES)}, got {self.weights_dtype!r}"
+            )
         if (self.capacity is None) == (self.memory_budget_bytes is None):
             raise ValueError("KVTableOptions: give exactly one of capacity or memory_budget_bytes")
         if self.capacity is not None and self.capacity <= 0:

@@ -69,12 +69,12 @@ class KVSequenceLookup(KVBagLookup):
                     ids,
                     table_idx,
                     bags,
-                    bags.bag_of,
+                    None,
                     scores,
                     None if flags is None else [flags.get(t.name, False) for t in group.tables],
                 )
             else:
-                rows = pooled_eval(group, ids, table_idx, bags, bags.bag_of)
+                rows = pooled_eval(group, ids, table_idx, bags, None)
             # Ids of another group's tables get zeros here: the groups' rows add up.
             out = rows if out is None else out + rows
         return out

@@ -3,6 +3,11 @@
 Memory per row of capacity: see ``torchrec_kvemb.memory``. With
 ``options.ssd`` the constructor builds a ``TieredKVTable``
 (``torchrec_kvemb/tiered.py``): the same table over a lower tier on disk.
+
+Why one file of some 540 lines: it is one class, ``KVTable``, whose public
+methods are the table's whole contract (lookups, rows, whole-content loads and
+exports); the index, the tier, the grouped path and the memory arithmetic
+already live in modules of their own.
 """
 
 from __future__ import annotations
@@ -112,13 +117,18 @@ class KVTable:
         counted = self._memory.counter_ids
         if storage is None:
             storage = TableStorage.allocate(
-                self.capacity, dim, self.state_dim, counted, self.device
+                self.capacity, dim, self.state_dim, counted, self.device, options.weights_dtype
             )
-        elif storage.weights.shape != (self.capacity, dim) or storage.counts.numel() != counted:
+        elif (
+            storage.weights.shape != (self.capacity, dim)
+            or storage.counts.numel() != counted
+            or storage.weights.dtype != options.weights_dtype
+        ):
             raise ValueError(
-                f"table {name!r}: storage for {storage.weights.shape[0]} rows of dim "
-                f"{storage.weights.shape[1]} and {storage.counts.numel()} admission entries; "
-                f"the options need {self.capacity} rows of dim {dim} and {counted} entries"
+                f"table {name!r}: storage for {storage.weights.shape[0]} {storage.weights.dtype} "
+                f"rows of dim {storage.weights.shape[1]} and {storage.counts.numel()} admission "
+                f"entries; the options need {self.capacity} {options.weights_dtype} rows of dim "
+                f"{dim} and {counted} entries"
             )
         self.index = BucketIndex(storage.keys, storage.scores)
         self.weights = storage.weights
@@ -216,11 +226,12 @@ class KVTable:
 
     # ------------------------------------------------------------ public API
     def find(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read-only lookup: ``(rows [n, dim], found [n])``; missing rows are zeros."""
+        """Read-only lookup: ``(rows [n, dim] float32, found [n])``; missing rows are zeros."""
         ids = check_ids(self.name, ids).to(self.device)
         slots = self.index.probe(ids)
         found = slots >= 0
-        rows = self.weights.index_select(0, slots.clamp(min=0)) * found.unsqueeze(1)
+        rows = self.weights.index_select(0, slots.clamp(min=0)).to(torch.float32)
+        rows = rows * found.unsqueeze(1)
         return rows, found
 
     def insert(
@@ -442,7 +453,7 @@ class KVTable:
     def init_rows_at(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
         """New rows: ``ids``' initial rows at ``slots``, optimizer state zero."""
         if slots.numel():
-            self.weights.index_copy_(0, slots, self.initial_rows(ids))
+            self.weights.index_copy_(0, slots, self.initial_rows(ids).to(self.weights.dtype))
             if self.state_dim:
                 self.state.index_fill_(0, slots, 0.0)
 
@@ -461,7 +472,7 @@ class KVTable:
 
     def set_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Write ``[n, dim + state_dim]`` rows (weights, then state) at ``slots``."""
-        self.weights.index_copy_(0, slots, rows[:, : self.dim])
+        self.weights.index_copy_(0, slots, rows[:, : self.dim].to(self.weights.dtype))
         if self.state_dim:
             self.state.index_copy_(0, slots, rows[:, self.dim :])
 
@@ -502,7 +513,7 @@ class KVTable:
         if scores is None:
             scores = torch.full_like(ids, self.step)
         src, slots = self.index.bulk_load(ids, scores.to(self.device, torch.int64))
-        weights = weights.to(self.device, torch.float32)
+        weights = weights.to(self.device, self.weights.dtype)
         state = None if state is None else state.to(self.device, torch.float32)
         if src is not None:
             weights = weights.index_select(0, src)

@@ -270,9 +270,10 @@ class TieredKVTable(KVTable, serves_ssd=True):
             by_bucket = torch.sort(route_bucket(ids, route_buckets), stable=True).indices
             ids, order = ids[by_bucket], order[by_bucket]
         ssd_rows = ssd_rows.to(self.device)
+        weights = torch.cat([memory["weights"], ssd_rows[:, : self.dim].to(self.weights)])
         out = {
             "ids": ids,
-            "weights": torch.cat([memory["weights"], ssd_rows[:, : self.dim]])[order],
+            "weights": weights[order],
             "scores": torch.cat([memory["scores"], ssd_scores.to(self.device)])[order],
         }
         ssd_state = self.optim.split_state(ssd_rows[:, self.dim :], self.dim)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchrec_kvemb.sharding import ShardedKVEmbeddingBagCollection
+from torchrec_kvemb.sharding import ShardedKVEmbeddingBagCollection, ShardedKVEmbeddingCollection
 
 #: KV counters summed over tables and ranks for the progress bar.
 KV_COUNTERS = (
@@ -32,9 +32,10 @@ KV_COUNTERS = (
 )
 
 
-def kv_modules(model: nn.Module) -> list[ShardedKVEmbeddingBagCollection]:
-    """The sharded KV collections inside ``model``."""
-    return [m for m in model.modules() if isinstance(m, ShardedKVEmbeddingBagCollection)]
+def kv_modules(model: nn.Module) -> list[nn.Module]:
+    """The sharded KV collections (bag or sequence) inside ``model``."""
+    kinds = (ShardedKVEmbeddingBagCollection, ShardedKVEmbeddingCollection)
+    return [m for m in model.modules() if isinstance(m, kinds)]
 
 
 def kv_counters(model: nn.Module) -> torch.Tensor:

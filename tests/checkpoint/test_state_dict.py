@@ -310,6 +310,7 @@ def test_save_and_load_without_a_process_group(tmp_path):
         "sharding": "unsharded",
         "state": ["momentum1"],
         "total_num_buckets": 24,
+        "weights_dtype": "float32",
     }
     assert marker["fingerprint"] == checkpoint.fingerprint(marker["tables"])
     fresh = Model()

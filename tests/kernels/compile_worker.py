@@ -111,8 +111,10 @@ def _kjt(keys: list[str], batch: int, weighted: bool, gen: torch.Generator):
 def drive_ebc() -> None:
     """KV EBCs training and evaluating (the group kernels): every optimizer, L2 and
     decoupled weight decay, clipping, SUM / MEAN / weighted pooling, every eviction
-    policy (custom scores given in some steps), admission, a group of two tables
-    and a dim over one column block."""
+    policy (custom scores given in some steps), admission, a group of two tables,
+    a dim over one column block, and float16 / bfloat16 rows."""
+    from dataclasses import replace
+
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
@@ -142,6 +144,10 @@ def drive_ebc() -> None:
             True,
         ),
     ]
+    setups = [(*setup, torch.float32) for setup in setups] + [
+        ({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD}, PoolingType.SUM, False, torch.float16),
+        ({"optimizer": EmbOptimType.ADAM}, PoolingType.MEAN, True, torch.bfloat16),
+    ]
     # name: dim, options; "a" and "b" make one group (same dim), with admission.
     tables = {
         "a": (5, KVTableOptions(capacity=32, eviction=EvictionPolicy.LRU, admission_threshold=2)),
@@ -155,7 +161,7 @@ def drive_ebc() -> None:
         "d": (36, KVTableOptions(capacity=16, eviction=EvictionPolicy.NONE)),
     }
     gen = torch.Generator().manual_seed(5)
-    for fused, pooling, weighted in setups:
+    for fused, pooling, weighted, dtype in setups:
         configs = [
             EmbeddingBagConfig(
                 name=name,
@@ -166,7 +172,7 @@ def drive_ebc() -> None:
             )
             for name, (dim, _) in tables.items()
         ]
-        options = {name: opts for name, (_, opts) in tables.items()}
+        options = {name: replace(opts, weights_dtype=dtype) for name, (_, opts) in tables.items()}
         ebc = KVEmbeddingBagCollection(
             configs, options, is_weighted=weighted, fused_params={**fused, "learning_rate": 0.1}
         )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import os
 import uuid
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -119,6 +120,7 @@ def _table_configs(slots: Mapping[str, KVTableSlot], group) -> dict[str, dict[st
         prefix.rstrip("."): {
             "name": s.layout.name,
             "dim": s.layout.dim,
+            "weights_dtype": str(s.layout.weights_dtype).removeprefix("torch."),
             "optimizer": s.optimizer,
             "state": list(s.state_shapes),
             "total_num_buckets": s.layout.num_buckets,
@@ -320,6 +322,13 @@ def _check_kv_config(
         size = saved[weight].size
         if len(size) != 2 or size[1] != layout.dim:
             raise CheckpointError(f"{where}: the checkpoint's weight has shape {tuple(size)}")
+        stored = saved[weight].properties.dtype
+        if stored != layout.weights_dtype:
+            warnings.warn(
+                f"{where}: the checkpoint's rows are {stored}, the table stores "
+                f"{layout.weights_dtype}; converting them as they load",
+                stacklevel=3,
+            )
         if slot.optimizer is not None and want["optimizer"] != slot.optimizer:
             raise CheckpointError(
                 f"{where}: saved with the {want['optimizer']} optimizer (state "

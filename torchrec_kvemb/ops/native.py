@@ -17,6 +17,11 @@ for any ``num_threads``. The library is built by the package's install
 (``setup.py``); where no C++ compiler was found ``available()`` is False and
 callers keep the torch path. See docs/native.md.
 
+Why one file of some 700 lines: the ctypes mirrors of ``csrc/kvemb_native.h``'s
+argument structs and the wrappers that fill them must change together with
+that header (and its ``ABI_VERSION``); kept side by side, a field added to one
+cannot be missed in the other.
+
 Example::
 
     if native.use_native(ids.device):
@@ -46,7 +51,7 @@ from torchrec_kvemb.validation import KVInputError
 #: The shared library's extension name (setup.py builds csrc/ into it).
 LIBRARY = "torchrec_kvemb._kvemb_native"
 #: Must equal KV_ABI_VERSION in csrc/kvemb_native.h.
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 #: Columns of ``TrainLookup.metrics``: the ``KVTable.metrics()`` counters they add to.
 METRIC_NAMES = (
@@ -489,7 +494,10 @@ def lookup_train_group(
         keys=_tensor(keys, "keys", torch.int64, (nb, WAYS)),
         scores=_tensor(scores, "scores", torch.int64, (nb, WAYS)),
         num_buckets_total=nb,
-        weights=_tensor(weights, "weights", torch.float32, (nb * WAYS, dim)),
+        # Half-precision rows: the kernel writes no weights; new rows are written below.
+        weights=_tensor(weights, "weights", torch.float32, (nb * WAYS, dim))
+        if weights.dtype == torch.float32
+        else _tensor(None, "weights", torch.float32, optional=True),
         dim=dim,
         state=_tensor(state, "state", torch.float32, (nb * WAYS, state_dim)),
         state_dim=state_dim,
@@ -532,7 +540,7 @@ def lookup_train_group(
         admission_threshold=tables.admission_threshold,
         counter_bucket_offset=tables.counter_bucket_offset,
         counter_num_buckets=tables.counter_num_buckets,
-        init_native=1 - tables.init_normal,
+        init_native=(1 - tables.init_normal) * int(weights.dtype == torch.float32),
         seed_mix=tables.seed_mix,
     )
     for name, value in per_table.items():
@@ -573,25 +581,29 @@ def lookup_train_group(
         evicted_slots[:e],
         metrics,
     )
-    if tables.has_normal:
-        _fill_normal_rows(tables, weights, result)
+    every_table = weights.dtype != torch.float32
+    if tables.has_normal or every_table:
+        _fill_new_rows(tables, weights, result, every_table)
     return result
 
 
-def _fill_normal_rows(tables: GroupLayout, weights: torch.Tensor, result: TrainLookup) -> None:
-    """Initial rows of the new ids of NORMAL tables, by the torch path (why: its
-    log and cos are torch's vectorized ones, which C++ libm does not match bit for bit)."""
+def _fill_new_rows(
+    tables: GroupLayout, weights: torch.Tensor, result: TrainLookup, every_table: bool
+) -> None:
+    """Initial rows of the new ids of NORMAL tables (of every table with
+    ``every_table``: half-precision rows), by the torch path (why NORMAL: its log
+    and cos are torch's vectorized ones, which C++ libm does not match bit for bit)."""
     new = result.unique_inserted
     if not bool(new.any()):
         return
     dim = weights.shape[1]
     for t, spec in enumerate(tables.init_specs):
-        if not spec.normal:
+        if not (spec.normal or every_table):
             continue
         mask = new & (result.unique_table == t)
         if bool(mask.any()):
-            rows = init_rows(result.unique_ids[mask], dim, spec.seed, True, spec.a, spec.b)
-            weights.index_copy_(0, result.unique_slots[mask], rows)
+            rows = init_rows(result.unique_ids[mask], dim, spec.seed, spec.normal, spec.a, spec.b)
+            weights.index_copy_(0, result.unique_slots[mask], rows.to(weights.dtype))
 
 
 # ----------------------------------------------------------------- backward

@@ -27,7 +27,8 @@ def optimizer_update_torch(
     """
     if slots.numel() == 0:
         return
-    w = weights.index_select(0, slots)
+    # Half-precision rows: the update computes in float32 and rounds to nearest on store.
+    w = weights.index_select(0, slots).to(torch.float32)
     g = grads.to(torch.float32)
     if config.gradient_clipping:
         g = g.clamp(-config.max_gradient, config.max_gradient)
@@ -52,7 +53,7 @@ def optimizer_update_torch(
         new_w = w - lr * m_hat / (torch.sqrt(v_hat) + config.eps)
     if decay and config.weight_decay_mode == WeightDecay.DECOUPLE:
         new_w = new_w - (lr * decay) * w
-    weights.index_copy_(0, slots, new_w)
+    weights.index_copy_(0, slots, new_w.to(weights.dtype))
 
 
 def fbgemm_supports(config: FusedOptimConfig, weights: torch.Tensor) -> bool:
@@ -60,7 +61,8 @@ def fbgemm_supports(config: FusedOptimConfig, weights: torch.Tensor) -> bool:
     # why: fbgemm's CPU kernels ignore weight decay and clipping, and have no Adam.
     return (
         weights.device.type == "cpu"
-        and weights.dtype == torch.float32
+        # fbgemm's CPU kernels also update float16 rows (float32 math, rounded to nearest)
+        and weights.dtype in (torch.float32, torch.float16)
         and config.kind in (OptimKind.SGD, OptimKind.ROWWISE_ADAGRAD)
         and not (config.weight_decay and config.weight_decay_mode != WeightDecay.NONE)
         and not config.gradient_clipping

@@ -33,6 +33,11 @@ def group_pooled_forward_torch(
     ``row * scale``. Ids with slot -1 pool their table's initial value
     (``init_specs[table_idx]``), or zeros when ``missing_as_zero``; ids of no
     table of the group (``table_idx`` -1) pool nothing."""
+    if weights.dtype != torch.float32:
+        # Half-precision rows pool in float32: gather and widen them first.
+        rows = weights.index_select(0, slots.clamp(min=0)).to(torch.float32)
+        position = torch.arange(slots.numel(), device=slots.device)
+        weights, slots = rows, torch.where(slots >= 0, position, -1)
     stored = slots >= 0
     if bags.scale is None and bool(stored.all()):
         return F.embedding_bag(slots, weights, bags.offsets, mode="sum", include_last_offset=True)
@@ -55,6 +60,36 @@ def group_pooled_forward_torch(
             rows = init_rows(ids[missing], weights.shape[1], spec.seed, spec.normal, spec.a, spec.b)
             out.index_add_(0, bags.bag_of[missing], rows * scale[missing].unsqueeze(1))
     return out
+
+
+def group_rows_forward_torch(
+    weights: torch.Tensor,
+    slots: torch.Tensor,
+    ids: torch.Tensor,
+    table_idx: torch.Tensor,
+    init_specs: tuple[InitSpec, ...],
+    missing_as_zero: bool,
+) -> torch.Tensor:
+    """One row per id ``[n, dim]`` (float32): what ``group_pooled_forward_torch`` gives
+    when every id is a bag of its own with scale 1, gathered without pooling."""
+    stored = slots >= 0
+    rows = weights.index_select(0, slots.clamp(min=0)).to(torch.float32)
+    # why index_fill_ of the missing rows only: masking every row costs as much as the
+    # gather itself on a large batch, and most ids are stored.
+    missing = (~stored).nonzero().squeeze(1)
+    if missing.numel() == 0:
+        return rows
+    rows.index_fill_(0, missing, 0.0)
+    if missing_as_zero:
+        return rows
+    missing_table = table_idx[missing]
+    for t, spec in enumerate(init_specs):
+        mine = missing[missing_table == t]
+        if mine.numel():
+            dim = weights.shape[1]
+            fresh = init_rows(ids[mine], dim, spec.seed, spec.normal, spec.a, spec.b)
+            rows.index_copy_(0, mine, fresh)
+    return rows
 
 
 def group_pooled_backward_torch(

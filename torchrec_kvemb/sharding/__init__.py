@@ -14,7 +14,11 @@ from torchrec_kvemb.sharding.planner import (
 )
 from torchrec_kvemb.sharding.rw import bucketize_kv_features, owner_rank
 from torchrec_kvemb.sharding.sharded_ebc import ShardedKVEmbeddingBagCollection
-from torchrec_kvemb.sharding.sharder import KVEmbeddingBagCollectionSharder
+from torchrec_kvemb.sharding.sharded_ec import ShardedKVEmbeddingCollection
+from torchrec_kvemb.sharding.sharder import (
+    KVEmbeddingBagCollectionSharder,
+    KVEmbeddingCollectionSharder,
+)
 
 register_perf_estimates()
 
@@ -22,8 +26,10 @@ __all__ = [
     "KV_COMPUTE_KERNEL",
     "KVEmbeddingBag",
     "KVEmbeddingBagCollectionSharder",
+    "KVEmbeddingCollectionSharder",
     "KVFusedOptimizer",
     "ShardedKVEmbeddingBagCollection",
+    "ShardedKVEmbeddingCollection",
     "bucketize_kv_features",
     "kv_table_bytes",
     "owner_rank",

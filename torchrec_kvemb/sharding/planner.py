@@ -17,6 +17,8 @@ it (bytes = ``numel * element_size``) and prices it from a bandwidth per
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
 
 import torch
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
@@ -69,4 +71,40 @@ def register_perf_estimates() -> None:
         if (device, KV_COMPUTE_KERNEL) not in known:
             device_bw(bandwidth=bandwidth, device=device, compute_kernel=KV_COMPUTE_KERNEL)(
                 EmbeddingPerfEstimatorConfig
+            )
+
+
+def check_plan(
+    kv_tables: Collection[str],
+    configs: Sequence[Any],
+    plan: Mapping[str, Any],
+    sharding_types: Collection[str],
+) -> None:
+    """Every table of ``configs`` in ``plan``; the KV ones (named in ``kv_tables``)
+    planned ``customized_kernel`` with one of ``sharding_types``, and no other.
+
+    Example::
+
+        check_plan({"user"}, ebc.embedding_bag_configs(), plan["ebc"], ["row_wise"])
+    """
+    for config in configs:
+        name = config.name
+        if name not in plan:
+            raise ValueError(f"table {name!r}: the sharding plan has no entry for it")
+        sharding = plan[name]
+        is_kv = name in kv_tables
+        if is_kv and sharding.compute_kernel != KV_COMPUTE_KERNEL:
+            raise ValueError(
+                f"table {name!r} has KVTableOptions but the plan gives it compute kernel "
+                f"{sharding.compute_kernel!r}; KV tables need {KV_COMPUTE_KERNEL!r}"
+            )
+        if is_kv and sharding.sharding_type not in sharding_types:
+            raise ValueError(
+                f"table {name!r}: KV tables shard {' or '.join(sharding_types)}, "
+                f"the plan says {sharding.sharding_type}"
+            )
+        if not is_kv and sharding.compute_kernel == KV_COMPUTE_KERNEL:
+            raise ValueError(
+                f"table {name!r}: the plan gives it {KV_COMPUTE_KERNEL!r} but the sharder "
+                "has no KVTableOptions for it"
             )

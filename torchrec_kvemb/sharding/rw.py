@@ -20,27 +20,15 @@ import torch.distributed as dist
 from torchrec.distributed.dist_data import KJTAllToAll
 from torchrec.distributed.embedding_sharding import (
     BaseSparseFeaturesDist,
-    EmbeddingShardingInfo,
 )
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
-from torchrec.distributed.types import Awaitable, QuantizedCommCodecs, ShardingEnv, ShardingType
+from torchrec.distributed.types import Awaitable, ShardingType
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvemb.dispatch import block_bucketize_2d
 from torchrec_kvemb.ops.hashing import route_bucket
-from torchrec_kvemb.sharding.kv_embedding import KVTableSpecs
 from torchrec_kvemb.sharding.kv_lookup import KVLookupMixin
-
-
-def check_num_buckets(table: str, num_buckets: int, world_size: int) -> None:
-    """Row-wise needs ``world_size`` to divide the table's ``total_num_buckets``."""
-    if num_buckets % world_size != 0:
-        raise ValueError(
-            f"table {table!r}: row-wise sharding over {world_size} ranks needs "
-            f"KVTableOptions.total_num_buckets to be a multiple of {world_size}, "
-            f"got {num_buckets}"
-        )
 
 
 def owner_rank(ids: torch.Tensor, num_buckets: int, world_size: int) -> torch.Tensor:
@@ -217,22 +205,6 @@ class KVRwPooledEmbeddingSharding(KVLookupMixin, RwPooledEmbeddingSharding):
     """
 
     kv_sharding_type = ShardingType.ROW_WISE
-
-    def __init__(
-        self,
-        sharding_infos: list[EmbeddingShardingInfo],
-        env: ShardingEnv,
-        device: torch.device | None = None,
-        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
-        *,
-        specs: KVTableSpecs,
-    ) -> None:
-        super().__init__(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
-        self._kv_specs = specs
-        world_size = self._pg.size()
-        for info in sharding_infos:
-            name = info.embedding_config.name
-            check_num_buckets(name, specs.options[name].total_num_buckets, world_size)
 
     def create_input_dist(
         self, device: torch.device | None = None

@@ -24,7 +24,6 @@ from torch import nn
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.types import (
-    EmbeddingModuleShardingPlan,
     ParameterSharding,
     QuantizedCommCodecs,
     ShardingEnv,
@@ -35,20 +34,14 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from torchrec_kvemb.ebc import KVEmbeddingBagCollection
 from torchrec_kvemb.sharding.kv_embedding import (
-    KVFusedOptimizer,
     KVGroupedPooledEmbeddingsLookup,
     KVTableSpecs,
 )
-from torchrec_kvemb.sharding.planner import KV_COMPUTE_KERNEL
+from torchrec_kvemb.sharding.planner import KV_COMPUTE_KERNEL, check_plan
 from torchrec_kvemb.sharding.rw import KVRwPooledEmbeddingSharding
+from torchrec_kvemb.sharding.sharded_common import KVShardedMixin, kv_groups_first
 from torchrec_kvemb.sharding.tw import KVTwPooledEmbeddingSharding
 from torchrec_kvemb.state_dict.hooks import register_sharded_hooks
-from torchrec_kvemb.state_dict.layout import TableLayout, sharded_layouts
-from torchrec_kvemb.table import KVTable
-
-#: Prefix of the ``sharding_type_to_sharding_infos`` keys of KV groups. The keys
-#: are labels only; separate keys give KV tables their own input dist.
-KV_GROUP_PREFIX = "kv:"
 
 _KV_SHARDINGS = {
     ShardingType.ROW_WISE.value: KVRwPooledEmbeddingSharding,
@@ -58,35 +51,16 @@ _KV_SHARDINGS = {
 KV_SHARDING_TYPES = list(_KV_SHARDINGS)
 
 
-def check_plan(
+def check_bag_plan(
     kv_tables: Mapping[str, Any],
     configs: list[EmbeddingBagConfig],
     plan: Mapping[str, ParameterSharding],
 ) -> None:
-    """Every KV table planned ``customized_kernel`` with a KV sharding type, and no other."""
+    """``planner.check_plan`` for a bag collection, and KV tables pool by SUM or MEAN."""
+    check_plan(kv_tables, configs, plan, KV_SHARDING_TYPES)
     for config in configs:
-        name = config.name
-        if name not in plan:
-            raise ValueError(f"table {name!r}: the sharding plan has no entry for it")
-        sharding = plan[name]
-        is_kv = name in kv_tables
-        if is_kv and sharding.compute_kernel != KV_COMPUTE_KERNEL:
-            raise ValueError(
-                f"table {name!r} has KVTableOptions but the plan gives it compute kernel "
-                f"{sharding.compute_kernel!r}; KV tables need {KV_COMPUTE_KERNEL!r}"
-            )
-        if is_kv and sharding.sharding_type not in _KV_SHARDINGS:
-            raise ValueError(
-                f"table {name!r}: KV tables shard {' or '.join(KV_SHARDING_TYPES)}, "
-                f"the plan says {sharding.sharding_type}"
-            )
-        if not is_kv and sharding.compute_kernel == KV_COMPUTE_KERNEL:
-            raise ValueError(
-                f"table {name!r}: the plan gives it {KV_COMPUTE_KERNEL!r} but the sharder "
-                "has no KVTableOptions for it"
-            )
-        if is_kv and config.pooling not in (PoolingType.SUM, PoolingType.MEAN):
-            raise ValueError(f"table {name!r}: pooling {config.pooling} not supported")
+        if config.name in kv_tables and config.pooling not in (PoolingType.SUM, PoolingType.MEAN):
+            raise ValueError(f"table {config.name!r}: pooling {config.pooling} not supported")
 
 
 class _KVCollectionView:
@@ -119,7 +93,7 @@ class _KVCollectionView:
         return dict(self._params)
 
 
-class ShardedKVEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+class ShardedKVEmbeddingBagCollection(KVShardedMixin, ShardedEmbeddingBagCollection):
     """A sharded ``EmbeddingBagCollection`` (or ``KVEmbeddingBagCollection``) whose
     KV tables are sharded row-wise or table-wise over ``KVTable`` shards.
 
@@ -138,6 +112,9 @@ class ShardedKVEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         sharded.kv_tables()["user"].size   # ids stored on this rank
     """
 
+    kv_lookup_type = KVGroupedPooledEmbeddingsLookup
+    kv_configs_attribute = "_embedding_bag_configs"
+
     def __init__(
         self,
         module: EmbeddingBagCollection | KVEmbeddingBagCollection,
@@ -149,7 +126,9 @@ class ShardedKVEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
         module_fqn: str | None = None,
     ) -> None:
-        check_plan(specs.options, module.embedding_bag_configs(), table_name_to_parameter_sharding)
+        check_bag_plan(
+            specs.options, module.embedding_bag_configs(), table_name_to_parameter_sharding
+        )
         # Read by create_grouped_sharding_infos / create_embedding_bag_sharding,
         # which the base __init__ calls.
         self.__dict__["_kv_specs"] = specs
@@ -166,50 +145,6 @@ class ShardedKVEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         )
         self._pool_kv_mean_by_sum()
 
-    # ------------------------------------------------------------- public
-    def kv_tables(self) -> dict[str, KVTable]:
-        """This rank's KV table shards by table name (tables with no shard here are absent)."""
-        tables: dict[str, KVTable] = {}
-        for lookup in self._kv_lookups():
-            tables.update(lookup.kv_tables())
-        return tables
-
-    def kv_fused_optimizers(self) -> dict[str, KVFusedOptimizer]:
-        """The ``KVFusedOptimizer`` (part of ``fused_optimizer``) whose ``lr`` drives each
-        of this rank's KV table shards, by table name; tables of one grouped config
-        share one."""
-        optimizers: dict[str, KVFusedOptimizer] = {}
-        for lookup in self._kv_lookups():
-            optimizers.update(lookup.kv_fused_optimizers())
-        return optimizers
-
-    def _kv_lookups(self) -> list[KVGroupedPooledEmbeddingsLookup]:
-        """The lookups that hold KV tables (unwrapped from DDP)."""
-        found = []
-        for lookup in self._lookups:
-            while isinstance(lookup, nn.parallel.DistributedDataParallel):
-                lookup = lookup.module
-            if isinstance(lookup, KVGroupedPooledEmbeddingsLookup):
-                found.append(lookup)
-        return found
-
-    def kv_layouts(self) -> list[TableLayout]:
-        """Every KV table of the collection as this rank sees it: its shard here (if
-        any) and the routing buckets this rank owns (state_dict and checkpoints)."""
-        return sharded_layouts(
-            self._embedding_bag_configs,
-            self._kv_specs.options,
-            {name: p.sharding_type for name, p in self.module_sharding_plan.items()},
-            self.kv_tables(),
-            self.kv_fused_optimizers(),
-            self._env.rank,
-            self._env.world_size,
-        )
-
-    def metrics(self) -> dict[str, dict[str, float]]:
-        """``KVTable.metrics()`` of this rank's shards, by table name."""
-        return {name: table.metrics() for name, table in self.kv_tables().items()}
-
     # ------------------------------------------------- base class hooks
     def create_grouped_sharding_infos(
         self,
@@ -219,21 +154,12 @@ class ShardedKVEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         fused_params: dict[str, Any] | None,
         suffix: str | None = "weight",
     ) -> dict[str, list[EmbeddingShardingInfo]]:
-        """The stock grouping, with KV tables under their own keys, KV first (so that
-        ``fused_optimizer.param_groups[0]`` is a KV group on ranks that hold one)."""
-        infos = super().create_grouped_sharding_infos(
-            module, table_name_to_parameter_sharding, prefix, fused_params, suffix
+        """The stock grouping, with KV tables under their own keys, KV first."""
+        return kv_groups_first(
+            super().create_grouped_sharding_infos(
+                module, table_name_to_parameter_sharding, prefix, fused_params, suffix
+            )
         )
-        kv: dict[str, list[EmbeddingShardingInfo]] = {}
-        stock: dict[str, list[EmbeddingShardingInfo]] = {}
-        for sharding_type, group in infos.items():
-            kv_infos = [i for i in group if i.param_sharding.compute_kernel == KV_COMPUTE_KERNEL]
-            stock_infos = [i for i in group if i.param_sharding.compute_kernel != KV_COMPUTE_KERNEL]
-            if kv_infos:
-                kv[KV_GROUP_PREFIX + sharding_type] = kv_infos
-            if stock_infos:
-                stock[sharding_type] = stock_infos
-        return {**kv, **stock}
 
     def create_embedding_bag_sharding(
         self,
@@ -258,30 +184,11 @@ class ShardedKVEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             specs=self._kv_specs,
         )
 
-    def reset_parameters(self) -> None:
-        """The stock initialization for stock tables; KV rows are born from (id, seed)."""
-        configs = self._embedding_bag_configs
-        self._embedding_bag_configs = [c for c in configs if c.name not in self._kv_specs.options]
-        try:
-            super().reset_parameters()
-        finally:
-            self._embedding_bag_configs = configs
-
     def _initialize_torch_state(self, skip_registering: bool = False) -> None:
         """The stock state_dict entries, plus the KV tables' (docs/checkpoint-format.md)."""
         super()._initialize_torch_state(skip_registering)
         if not skip_registering:
             register_sharded_hooks(self, self._env.process_group)
-
-    def update_shards(
-        self,
-        changed_sharding_params: EmbeddingModuleShardingPlan,
-        env: ShardingEnv,
-        device: torch.device | None,
-    ) -> None:
-        raise NotImplementedError(
-            "resharding a collection with KV tables in place is not supported yet"
-        )
 
     def _pool_kv_mean_by_sum(self) -> None:
         """Row-wise KV MEAN tables get their ``1 / bag length`` per id in the input dist

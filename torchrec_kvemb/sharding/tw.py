@@ -7,12 +7,9 @@ table is a :class:`~torchrec_kvemb.table.KVTable` with its full capacity.
 
 from __future__ import annotations
 
-import torch
-from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
-from torchrec.distributed.types import QuantizedCommCodecs, ShardingEnv, ShardingType
+from torchrec.distributed.types import ShardingType
 
-from torchrec_kvemb.sharding.kv_embedding import KVTableSpecs
 from torchrec_kvemb.sharding.kv_lookup import KVLookupMixin
 
 
@@ -25,15 +22,3 @@ class KVTwPooledEmbeddingSharding(KVLookupMixin, TwPooledEmbeddingSharding):
     """
 
     kv_sharding_type = ShardingType.TABLE_WISE
-
-    def __init__(
-        self,
-        sharding_infos: list[EmbeddingShardingInfo],
-        env: ShardingEnv,
-        device: torch.device | None = None,
-        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
-        *,
-        specs: KVTableSpecs,
-    ) -> None:
-        super().__init__(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
-        self._kv_specs = specs

@@ -6,7 +6,7 @@ contract, with the sharded layout: docs/checkpoint-format.md):
 ==================  ==================  =======  ==========================================
 key                 shape               dtype    meaning
 ==================  ==================  =======  ==========================================
-``weight``          ``[rows, dim]``     float32  the rows
+``weight``          ``[rows, dim]``     float32  the rows (in the table's ``weights_dtype``)
 ``weight_id``       ``[rows]``          int64    the id of each row
 ``weight_score``    ``[rows]``          int64    its eviction score
 ``<state>``         ``[rows]`` or       float32  optimizer state: ``momentum1`` (row-wise

@@ -55,6 +55,8 @@ class TableLayout:
     #: Sharded: the ``KVFusedOptimizer`` whose ``lr`` drives this shard (shared by
     #: the tables of its grouped config). Unsharded: None, ``table.optim`` does.
     fused_optimizer: Any = field(default=None, compare=False, repr=False)
+    #: The dtype the table stores its rows in (``KVTableOptions.weights_dtype``).
+    weights_dtype: torch.dtype = torch.float32
 
     @classmethod
     def unsharded(cls, table: KVTable) -> TableLayout:
@@ -67,6 +69,7 @@ class TableLayout:
             table,
             (0, num_buckets),
             table.options.admission_threshold > 1,
+            weights_dtype=table.options.weights_dtype,
         )
 
     def learning_rate(self) -> float | None:
@@ -135,6 +138,7 @@ def sharded_layouts(
                 options[config.name].admission_threshold > 1,
                 sharding,
                 optimizers.get(config.name),
+                options[config.name].weights_dtype,
             )
         )
     return out

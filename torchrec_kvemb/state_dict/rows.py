@@ -99,7 +99,7 @@ def table_rows(table: KVTable) -> dict[str, torch.Tensor]:
     meta = table.device
     out = {
         "ids": torch.empty(0, dtype=torch.int64, device=meta),
-        "weights": torch.empty(0, table.dim, dtype=torch.float32, device=meta),
+        "weights": torch.empty(0, table.dim, dtype=table.weights.dtype, device=meta),
         "scores": torch.empty(0, dtype=torch.int64, device=meta),
     }
     for name, shape in table.optim.state_shapes(table.dim).items():

@@ -144,7 +144,7 @@ def sharded_entries(
             )
 
         entries: dict[str, Any] = {
-            "weight": sharded("weight", "rows", (layout.dim,), torch.float32),
+            "weight": sharded("weight", "rows", (layout.dim,), layout.weights_dtype),
             "weight_id": sharded("weight_id", "rows", (), torch.int64),
             "weight_score": sharded("weight_score", "rows", (), torch.int64),
         }

@@ -1,0 +1,128 @@
+"""What the two sharded KV collections (bags and sequences) share on top of TorchRec's
+sharded modules: this rank's KV tables, their optimizers, layouts and metrics,
+the grouping that gives KV tables their own shardings, and the stock hooks
+they adjust.
+
+Example::
+
+    class ShardedKVEmbeddingCollection(KVShardedMixin, ShardedEmbeddingCollection):
+        kv_lookup_type = KVGroupedEmbeddingsLookup
+        kv_configs_attribute = "_embedding_configs"
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
+from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingEnv
+
+from torchrec_kvemb.sharding.fused_optimizer import KVFusedOptimizer
+from torchrec_kvemb.sharding.kv_embedding import KVTableSpecs
+from torchrec_kvemb.sharding.planner import KV_COMPUTE_KERNEL
+from torchrec_kvemb.state_dict.layout import TableLayout, sharded_layouts
+from torchrec_kvemb.table import KVTable
+
+#: Prefix of the ``sharding_type_to_sharding_infos`` keys of KV groups. The keys
+#: are labels only; separate keys give KV tables their own input dist.
+KV_GROUP_PREFIX = "kv:"
+
+
+def kv_groups_first(
+    infos: dict[str, list[EmbeddingShardingInfo]],
+) -> dict[str, list[EmbeddingShardingInfo]]:
+    """TorchRec's sharding infos by sharding type, with KV tables under their own keys
+    (``"kv:" + type``), KV first (so that ``fused_optimizer.param_groups[0]`` is a KV
+    group on ranks that hold one)."""
+    kv: dict[str, list[EmbeddingShardingInfo]] = {}
+    stock: dict[str, list[EmbeddingShardingInfo]] = {}
+    for sharding_type, group in infos.items():
+        kv_infos = [i for i in group if i.param_sharding.compute_kernel == KV_COMPUTE_KERNEL]
+        stock_infos = [i for i in group if i.param_sharding.compute_kernel != KV_COMPUTE_KERNEL]
+        if kv_infos:
+            kv[KV_GROUP_PREFIX + sharding_type] = kv_infos
+        if stock_infos:
+            stock[sharding_type] = stock_infos
+    return {**kv, **stock}
+
+
+class KVShardedMixin:
+    """Mixed in before TorchRec's sharded collection (which provides ``_lookups``,
+    ``_env`` and ``module_sharding_plan``); the subclass names the lookup type that
+    holds KV tables and the attribute of its table configs, and sets ``_kv_specs``.
+    """
+
+    kv_lookup_type: ClassVar[type]
+    kv_configs_attribute: ClassVar[str]
+    _kv_specs: KVTableSpecs
+    _lookups: list[nn.Module]
+    _env: ShardingEnv
+    module_sharding_plan: EmbeddingModuleShardingPlan
+
+    # ------------------------------------------------------------- public
+    def kv_tables(self) -> dict[str, KVTable]:
+        """This rank's KV table shards by table name (tables with no shard here are absent)."""
+        tables: dict[str, KVTable] = {}
+        for lookup in self._kv_lookups():
+            tables.update(lookup.kv_tables())
+        return tables
+
+    def kv_fused_optimizers(self) -> dict[str, KVFusedOptimizer]:
+        """The ``KVFusedOptimizer`` (part of ``fused_optimizer``) whose ``lr`` drives each
+        of this rank's KV table shards, by table name; tables of one grouped config
+        share one."""
+        optimizers: dict[str, KVFusedOptimizer] = {}
+        for lookup in self._kv_lookups():
+            optimizers.update(lookup.kv_fused_optimizers())
+        return optimizers
+
+    def kv_layouts(self) -> list[TableLayout]:
+        """Every KV table of the collection as this rank sees it: its shard here (if
+        any) and the routing buckets this rank owns (state_dict and checkpoints)."""
+        return sharded_layouts(
+            getattr(self, self.kv_configs_attribute),
+            self._kv_specs.options,
+            {name: p.sharding_type for name, p in self.module_sharding_plan.items()},
+            self.kv_tables(),
+            self.kv_fused_optimizers(),
+            self._env.rank,
+            self._env.world_size,
+        )
+
+    def metrics(self) -> dict[str, dict[str, float]]:
+        """``KVTable.metrics()`` of this rank's shards, by table name."""
+        return {name: table.metrics() for name, table in self.kv_tables().items()}
+
+    def _kv_lookups(self) -> list[Any]:
+        """The lookups that hold KV tables (unwrapped from DDP)."""
+        found = []
+        for lookup in self._lookups:
+            while isinstance(lookup, nn.parallel.DistributedDataParallel):
+                lookup = lookup.module
+            if isinstance(lookup, self.kv_lookup_type):
+                found.append(lookup)
+        return found
+
+    # ------------------------------------------------- base class hooks
+    def reset_parameters(self) -> None:
+        """The stock initialization for stock tables; KV rows are born from (id, seed)."""
+        configs = getattr(self, self.kv_configs_attribute)
+        stock = [c for c in configs if c.name not in self._kv_specs.options]
+        setattr(self, self.kv_configs_attribute, stock)
+        try:
+            super().reset_parameters()  # type: ignore[misc]
+        finally:
+            setattr(self, self.kv_configs_attribute, configs)
+
+    def update_shards(
+        self,
+        changed_sharding_params: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: torch.device | None,
+    ) -> None:
+        raise NotImplementedError(
+            "resharding a collection with KV tables in place is not supported yet; save a "
+            "checkpoint (torchrec_kvemb.checkpoint.save) and load it into the new sharding"
+        )

@@ -1,0 +1,172 @@
+"""The sharded sequence collection: TorchRec's ``ShardedEmbeddingCollection`` with KV tables.
+
+Everything a stock sharded ``EmbeddingCollection`` does stays (input dists, the
+sequence all-to-all of rows back to each id's place, ``JaggedTensor`` outputs,
+the combined ``fused_optimizer``); tables whose plan says ``customized_kernel``
+get a KV sequence sharding (:mod:`.sequence_shardings`) and are looked up by
+:class:`~torchrec_kvemb.sharding.kv_sequence.KVEmbedding`. Tables without KV
+options stay stock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec.distributed.embedding import ShardedEmbeddingCollection
+from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
+from torchrec.distributed.types import (
+    ParameterSharding,
+    QuantizedCommCodecs,
+    ShardingEnv,
+)
+from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingCollection
+
+from torchrec_kvemb.ec import KVEmbeddingCollection
+from torchrec_kvemb.sharding.kv_embedding import KVTableSpecs
+from torchrec_kvemb.sharding.kv_sequence import KVGroupedEmbeddingsLookup
+from torchrec_kvemb.sharding.planner import check_plan
+from torchrec_kvemb.sharding.sequence_shardings import KV_SEQUENCE_SHARDINGS
+from torchrec_kvemb.sharding.sharded_common import KV_GROUP_PREFIX, KVShardedMixin, kv_groups_first
+from torchrec_kvemb.state_dict.hooks import register_sharded_hooks
+
+
+class _KVSequenceCollectionView:
+    """What ``ShardedEmbeddingCollection.__init__`` reads of the module it shards, for
+    a ``KVEmbeddingCollection``: its configs and 0-row ``meta`` placeholders where a
+    stock module has weights."""
+
+    device = torch.device("meta")
+
+    def __init__(self, module: KVEmbeddingCollection) -> None:
+        self._module = module
+        self._params = {
+            f"embeddings.{c.name}.weight": nn.Parameter(
+                torch.empty(0, c.embedding_dim, device="meta"), requires_grad=False
+            )
+            for c in module.embedding_configs()
+        }
+
+    def embedding_configs(self) -> list[EmbeddingConfig]:
+        return self._module.embedding_configs()
+
+    def embedding_names_by_table(self) -> list[list[str]]:
+        return self._module.embedding_names_by_table()
+
+    def embedding_dim(self) -> int:
+        return self._module.embedding_dim()
+
+    def need_indices(self) -> bool:
+        return self._module.need_indices()
+
+    def use_gather_select(self) -> bool:
+        return False
+
+    def use_gather_select_per_sharding(self) -> None:
+        return None
+
+    def use_sorted_select(self) -> bool:
+        return False
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return iter(self._params.items())
+
+    def state_dict(self) -> dict[str, nn.Parameter]:
+        return dict(self._params)
+
+
+class ShardedKVEmbeddingCollection(KVShardedMixin, ShardedEmbeddingCollection):
+    """A sharded ``EmbeddingCollection`` (or ``KVEmbeddingCollection``) whose KV tables
+    are sharded row-wise or table-wise over ``KVTable`` shards.
+
+    Built by :class:`~torchrec_kvemb.KVEmbeddingCollectionSharder`; forward and
+    ``fused_optimizer`` are TorchRec's. ``kv_tables()`` gives this rank's shards,
+    ``metrics()`` their counters. ``state_dict()`` holds the KV tables' rows as
+    ShardedTensors under ``embeddings.<table>.`` (a collective).
+
+    Example::
+
+        model = DistributedModelParallel(model, device=torch.device("cpu"),
+                                         sharders=[KVEmbeddingCollectionSharder(options)])
+        model.module.ec.kv_tables()["items"].size   # ids stored on this rank
+    """
+
+    kv_lookup_type = KVGroupedEmbeddingsLookup
+    kv_configs_attribute = "_embedding_configs"
+
+    def __init__(
+        self,
+        module: EmbeddingCollection | KVEmbeddingCollection,
+        table_name_to_parameter_sharding: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        specs: KVTableSpecs,
+        fused_params: dict[str, Any] | None = None,
+        device: torch.device | None = None,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+        module_fqn: str | None = None,
+    ) -> None:
+        check_plan(
+            specs.options,
+            module.embedding_configs(),
+            table_name_to_parameter_sharding,
+            list(KV_SEQUENCE_SHARDINGS),
+        )
+        # Read by create_grouped_sharding_infos / create_embedding_sharding, which the
+        # base __init__ calls.
+        self.__dict__["_kv_specs"] = specs
+        if isinstance(module, KVEmbeddingCollection):
+            module = _KVSequenceCollectionView(module)
+        super().__init__(
+            module,
+            table_name_to_parameter_sharding,
+            env,
+            fused_params=fused_params,
+            device=device,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+            module_fqn=module_fqn,
+        )
+
+    # ------------------------------------------------- base class hooks
+    def create_grouped_sharding_infos(
+        self,
+        module: Any,
+        table_name_to_parameter_sharding: dict[str, ParameterSharding],
+        fused_params: dict[str, Any] | None,
+    ) -> dict[str, list[EmbeddingShardingInfo]]:
+        """The stock grouping, with KV tables under their own keys, KV first."""
+        return kv_groups_first(
+            super().create_grouped_sharding_infos(
+                module, table_name_to_parameter_sharding, fused_params
+            )
+        )
+
+    def create_embedding_sharding(
+        self,
+        sharding_type: str,
+        sharding_infos: list[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+    ) -> EmbeddingSharding:
+        """A KV sequence sharding for KV groups, the stock one otherwise."""
+        if not sharding_type.startswith(KV_GROUP_PREFIX):
+            return super().create_embedding_sharding(
+                sharding_type, sharding_infos, env, device, qcomm_codecs_registry
+            )
+        sharding_cls = KV_SEQUENCE_SHARDINGS[sharding_type[len(KV_GROUP_PREFIX) :]]
+        return sharding_cls(
+            sharding_infos,
+            env,
+            device,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+            specs=self._kv_specs,
+        )
+
+    def _initialize_torch_state(self, skip_registering: bool = False) -> None:
+        """The stock state_dict entries, plus the KV tables' (docs/checkpoint-format.md)."""
+        super()._initialize_torch_state(skip_registering)
+        if not skip_registering:
+            register_sharded_hooks(self, self._env.process_group, attribute="embeddings")
