@@ -28,3 +28,28 @@ def install_missing_test_module() -> None:
     module.TestEmbeddingCollectionSharder = TestEmbeddingCollectionSharder
     sys.modules["torchrec.distributed.tests"] = package
     sys.modules[name] = module
+
+
+def install_missing_hypothesis() -> None:
+    """``torchrec.distributed.test_utils.test_model_parallel_base`` decorates its
+    property-based tests with ``hypothesis``, which this environment lacks: a
+    stand-in whose decorators leave the functions as they are (the tests run here
+    do not use it) is registered unless hypothesis is installed."""
+    if "hypothesis" in sys.modules or importlib.util.find_spec("hypothesis"):
+        return
+
+    def passthrough(*args: object, **kwargs: object) -> object:
+        return lambda fn: fn
+
+    class _Anything:
+        def __getattr__(self, name: str) -> object:
+            return lambda *args, **kwargs: None
+
+    module = types.ModuleType("hypothesis")
+    module.given = passthrough
+    module.settings = passthrough
+    module.assume = lambda condition: None
+    module.strategies = _Anything()
+    module.Verbosity = _Anything()
+    sys.modules["hypothesis"] = module
+    sys.modules["hypothesis.strategies"] = module.strategies
