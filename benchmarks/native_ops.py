@@ -51,7 +51,7 @@ from benchmarks.common import (
     time_interleaved,
     write_markdown,
 )
-from torchrec_kvemb.contracts import Bags, GroupLayout, InitSpec
+from torchrec_kvemb.contracts import Bags, GroupLayout, init_spec
 from torchrec_kvemb.ops import native
 from torchrec_kvemb.ops.pooled_lookup import pooled_backward_update_torch
 from torchrec_kvemb.optimizer import FusedOptimConfig, OptimKind
@@ -185,7 +185,7 @@ class NativeSide:
         self.layout = GroupLayout.of(
             [resolve_capacity(o, config.dim, state_dim) // WAYS for o in options],
             [o.eviction for o in options],
-            [InitSpec(o.seed, False, o.init_low, o.init_high) for o in options],
+            [init_spec(o) for o in options],
         )
         nb = self.layout.total_buckets
         self.keys = torch.full((nb, WAYS), -1, dtype=torch.int64)

@@ -9,7 +9,9 @@ What it does
    of ``examples/reshard_checkpoint.py``) and makes the model read-only: eval
    mode (a KV table neither inserts nor evicts; ids without a row pool as
    zeros) and no gradients.
-3. Checks the held-out predictions against those of the sharded training run.
+3. Checks the held-out predictions against those of the sharded training run,
+   and that the read-only DLRM traced by ``torchrec.fx.symbolic_trace`` (TorchRec's
+   inference flow; the graph shares the KV tables) predicts the same.
 4. With ``--dense-rows N``: exports every KV table's rows of ids ``0 .. N-1`` as
    a dense ``[N, dim]`` weight (``torchrec_kvemb.checkpoint.migrate.export_dense``,
    missing ids as zeros, as the eval-mode KV table pools them).
@@ -45,6 +47,7 @@ import os
 import time
 
 import torch
+import torchrec.fx
 
 from common.criteo import to_batch
 from common.data import Data
@@ -82,8 +85,21 @@ def export(args: argparse.Namespace) -> None:
         rows = int(metrics.get("size", 0) + metrics.get("ssd_size", 0))
         print(f"KV table {name}: {rows} rows", flush=True)
     batches = Data(run, table_sizes(run)).held_out_global(saved["world_size"])
-    ok, line = check_predictions(predictions(model, batches), saved)
+    logits = predictions(model, batches)
+    ok, line = check_predictions(logits, saved)
     print(line, flush=True)
+    traced = torchrec.fx.symbolic_trace(model.model)
+    with torch.no_grad():
+        traced_logits = torch.cat(
+            [traced(b.dense_features, b.sparse_features).squeeze(-1) for b in batches]
+        )
+    same = torch.equal(traced_logits, logits)
+    ok = ok and same
+    print(
+        f"traced DLRM (torchrec.fx.symbolic_trace): held-out predictions "
+        f"{'EQUAL' if same else 'DIFFER FROM'} the eager model's",
+        flush=True,
+    )
 
     dense: dict[str, torch.Tensor] = {}
     if args.dense_rows:

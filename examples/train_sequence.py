@@ -141,6 +141,9 @@ def table_config(args: argparse.Namespace) -> list[EmbeddingConfig]:
             embedding_dim=args.embedding_dim,
             num_embeddings=args.id_space,
             feature_names=["history", "candidate"],
+            # TorchRec's default, +/-sqrt(1 / num_embeddings), is ~1e-6 over 2**40 ids.
+            weight_init_min=-0.01,
+            weight_init_max=0.01,
         )
     ]
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_kvemb.bag_plan import BagPlan, expand_bags
 from torchrec_kvemb.contracts import Bags
 from torchrec_kvemb.group import KVTableGroup
 from torchrec_kvemb.lookup import pooled_eval, pooled_train
@@ -34,81 +35,6 @@ from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import KVTableOptions
 from torchrec_kvemb.table import KVTable
 from torchrec_kvemb.validation import KVInputError, check_bags, check_ids
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """How a KJT of some key order (and stride) maps to the groups of a lookup.
-
-    ``table_maps[g]``: per KJT feature, its table in group ``g`` (-1: not the
-    group's); ``bag_lists[g]``: the bags of group ``g``'s features; ``positions[g]``:
-    the KJT features group ``g`` outputs, in output order (None: all, in KJT order);
-    ``columns``: the permutation of the groups' output columns into the lookup's
-    feature order (None: already in order)."""
-
-    table_maps: list[torch.Tensor]
-    mean_of_feature: torch.Tensor
-    bag_lists: list[torch.Tensor]
-    positions: list[torch.Tensor | None]
-    columns: torch.Tensor | None
-
-    @classmethod
-    def make(
-        cls, specs: Sequence[BagTable], where: dict, num_groups: int, keys: list[str], stride: int
-    ) -> _Plan:
-        position = {k: i for i, k in enumerate(keys)}
-        maps = [torch.full((len(keys),), -1, dtype=torch.int64) for _ in range(num_groups)]
-        mean = torch.zeros(len(keys), dtype=torch.bool)
-        outputs: list[list[int]] = [[] for _ in range(num_groups)]
-        dims: list[int] = [0] * num_groups
-        order = []  # (group, index in the group's output) of each output feature
-        for spec in specs:
-            g, t = where[spec.name]
-            dims[g] = spec.dim
-            for feature in spec.features:
-                maps[g][position[feature]] = t
-                mean[position[feature]] = spec.mean
-                order.append((g, len(outputs[g])))
-                outputs[g].append(position[feature])
-        bag_lists = [
-            (torch.tensor(out, dtype=torch.int64) * stride)
-            .unsqueeze(1)
-            .add(torch.arange(stride))
-            .reshape(-1)
-            for out in (sorted(out) for out in outputs)
-        ]
-        positions = [
-            None if out == list(range(len(keys))) else torch.tensor(out, dtype=torch.int64)
-            for out in outputs
-        ]
-        starts, total = [], 0
-        for g in range(num_groups):
-            starts.append(total)
-            total += len(outputs[g]) * dims[g]
-        columns = (
-            torch.cat(
-                [
-                    torch.arange(starts[g] + i * dims[g], starts[g] + (i + 1) * dims[g])
-                    for g, i in order
-                ]
-            )
-            if order
-            else torch.empty(0, dtype=torch.int64)
-        )
-        identity = torch.equal(columns, torch.arange(columns.numel()))
-        return cls(maps, mean, bag_lists, positions, None if identity else columns)
-
-    def to(self, device: torch.device) -> _Plan:
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device)
-
-        return _Plan(
-            [m.to(device) for m in self.table_maps],
-            self.mean_of_feature.to(device),
-            [b.to(device) for b in self.bag_lists],
-            [move(p) for p in self.positions],
-            move(self.columns),
-        )
 
 
 @dataclass(frozen=True)
@@ -127,7 +53,13 @@ class KVBagLookup:
     docstring). ``optims``: one optimizer for all tables, or one per table name.
     ``weights``: what the batch's per-sample weights are: ``"ignore"`` (an unweighted
     collection), ``"required"`` (a weighted one) or ``"if_present"`` (a sharded
-    kernel, whose input dist may send them)."""
+    kernel, whose input dist may send them).
+
+    A feature may feed several tables (as in TorchRec's collections): its bags are
+    then copied once per table before the lookup."""
+
+    #: Whether a feature may feed several tables (the sequence lookup says no).
+    shared_features: bool = True
 
     def __init__(
         self,
@@ -144,8 +76,11 @@ class KVBagLookup:
         self.device = torch.device(device or "cpu")
         self._weights = weights
         self._specs = list(tables)
+        for spec in tables:
+            if len(set(spec.features)) != len(spec.features):
+                raise ValueError(f"table {spec.name!r} reads a feature twice: {spec.features}")
         features = [f for t in tables for f in t.features]
-        if len(set(features)) != len(features):
+        if not self.shared_features and len(set(features)) != len(features):
             shared = sorted({f for f in features if features.count(f) > 1})
             raise ValueError(f"feature {shared[0]!r} is used by two tables")
 
@@ -156,6 +91,11 @@ class KVBagLookup:
         alone: list[BagTable] = []
         for spec in tables:
             if options[spec.name].ssd is not None:
+                if self.device.type == "meta":
+                    raise ValueError(
+                        f"table {spec.name!r}: an SSD tier cannot be built on the meta "
+                        "device (it writes files); build the collection on a real device"
+                    )
                 alone.append(spec)
             else:
                 optim = optim_of(spec.name)
@@ -189,7 +129,7 @@ class KVBagLookup:
             for t, table in enumerate(group.tables)
         }
         self._anchor = torch.empty(0, requires_grad=True)
-        self._plans: dict[tuple, _Plan] = {}
+        self._plans: dict[tuple, BagPlan] = {}
 
     # ----------------------------------------------------------------- tables
     def tables(self) -> dict[str, KVTable]:
@@ -209,31 +149,50 @@ class KVBagLookup:
         features: KeyedJaggedTensor,
         training: bool,
         eviction_scores: Mapping[str, torch.Tensor] | None = None,
+        variable_batch: bool = False,
     ) -> torch.Tensor:
         """Pool every feature's bags: ``[stride, sum of feature dims]``, features in the
         order of the tables' ``features``. Training stores new ids and ties the output
         into autograd (backward updates the rows); eval is read-only and ids without
         a row pool zeros. ``eviction_scores``: per feature, one int per id, for tables
-        with ``EvictionPolicy.CUSTOM_SCORE``."""
+        with ``EvictionPolicy.CUSTOM_SCORE``. ``variable_batch``: a KJT with a batch
+        size per feature and source rank (VBE, from a sharded input dist) is allowed
+        and gives TorchRec's flat VBE layout (:mod:`torchrec_kvemb.bag_plan`)."""
         keys = features.keys()
         stride = features.stride()
-        ids, lengths, weights = self._checked(features)
-        if stride == 0 or not keys:
+        vbe = features.variable_stride_per_key()
+        if vbe and not variable_batch:
+            raise KVInputError(
+                "variable batch size per feature (VBE) is only supported sharded (row-wise "
+                "and table-wise KV tables); give every feature the same batch size"
+            )
+        if self.device.type == "meta":
+            # Tables on meta hold no rows: the output's shape, on meta, as stock
+            # modules on meta give (nothing is looked up, stored or checked).
+            dim = self._output_dim(keys)
+            shape = (sum(features.stride_per_key()) * dim,) if vbe else (stride, dim)
+            out = torch.empty(shape, device=self.device)
+            return out.requires_grad_(training and torch.is_grad_enabled())
+        ids, lengths, weights = self._checked(features, variable_batch)
+        if not vbe and (stride == 0 or not keys):
             return torch.empty(stride, sum(s.dim * len(s.features) for s in self._specs))
-        plan = self._plan(keys, stride)
-        n = ids.numel()
-        num_bags = lengths.numel()
-        offsets = torch.zeros(num_bags + 1, dtype=torch.int64, device=ids.device)
-        torch.cumsum(lengths, 0, out=offsets[1:])
-        mean = False
-        if any(spec.mean for spec in self._specs):
-            mean = plan.mean_of_feature.unsqueeze(1).expand(len(keys), stride).reshape(-1)
-        bags = Bags.build(offsets, n, weights, mean)
-        feature_of_id = torch.div(bags.bag_of, stride, rounding_mode="floor")
+        plan = self._plan(keys, stride, features.stride_per_key_per_rank() if vbe else None)
         custom = self._custom_scores(features, eviction_scores) if eviction_scores else None
-        blocks = []
-        for group, table_of_feature, bag_list, positions in zip(
-            self.groups, plan.table_maps, plan.bag_lists, plan.positions, strict=True
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=ids.device)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        if plan.expand is not None:
+            lengths, offsets, index = expand_bags(lengths, offsets, plan.expand)
+            ids = ids.index_select(0, index)
+            weights = None if weights is None else weights.index_select(0, index)
+            if custom is not None:
+                custom = (custom[0].index_select(0, index), custom[1])
+        n = ids.numel()
+        mean = plan.mean_of_bag if any(spec.mean for spec in self._specs) else False
+        bags = Bags.build(offsets, n, weights, mean)
+        feature_of_id = plan.key_of_bag[bags.bag_of]
+        outputs = []
+        for group, table_of_feature, bag_list in zip(
+            self.groups, plan.table_maps, plan.bag_lists, strict=True
         ):
             table_idx = table_of_feature[feature_of_id]
             if training:
@@ -250,8 +209,13 @@ class KVBagLookup:
                 )
             else:
                 out = pooled_eval(group, ids, table_idx, bags, bag_list)
-            # [features x stride, dim] (feature-major bags) -> [stride, features x dim]
-            out = out.view(len(keys), stride, group.dim)
+            outputs.append(out)  # [bags, dim], bags feature-major
+        if vbe:
+            return plan.variable_batch_output(outputs).to(ids.device)
+        blocks = []
+        for group, out, positions in zip(self.groups, outputs, plan.positions, strict=True):
+            # [features x stride, dim] -> [stride, features x dim]
+            out = out.view(plan.num_keys, stride, group.dim)
             if positions is not None:
                 out = out.index_select(0, positions)
             blocks.append(out.transpose(0, 1).reshape(stride, -1))
@@ -260,23 +224,44 @@ class KVBagLookup:
         out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
         return out if plan.columns is None else out.index_select(1, plan.columns)
 
-    def _plan(self, keys: list[str], stride: int) -> _Plan:
-        """How a batch of these KJT keys maps to the groups (made once per key order)."""
+    def _output_dim(self, keys: list[str]) -> int:
+        """Columns of the pooled output of a KJT with these keys (its missing
+        features are refused as a real lookup refuses them)."""
+        for spec in self._specs:
+            for feature in spec.features:
+                if feature not in keys:
+                    raise KVInputError(f"table {spec.name!r}: feature {feature!r} is missing")
+        return sum(spec.dim * len(spec.features) for spec in self._specs)
+
+    def _plan(
+        self, keys: list[str], stride: int, rank_strides: list[list[int]] | None = None
+    ) -> BagPlan:
+        """How a batch of these KJT keys maps to the groups (made once per key order
+        and stride; under VBE, ``rank_strides`` per key and rank, made per batch)."""
+        if rank_strides is not None:
+            strides = [sum(r) for r in rank_strides]
+            plan = BagPlan.for_keys(
+                self._specs, self._where, len(self.groups), keys, strides, rank_strides
+            )
+            return plan.to(self.device)
         cached = self._plans.get((tuple(keys), stride))
         if cached is None:
-            cached = _Plan.make(self._specs, self._where, len(self.groups), keys, stride)
+            cached = BagPlan.for_keys(
+                self._specs, self._where, len(self.groups), keys, [stride] * len(keys)
+            )
             cached = cached.to(self.device)
             self._plans[(tuple(keys), stride)] = cached
         return cached
 
     def _checked(
-        self, features: KeyedJaggedTensor
+        self, features: KeyedJaggedTensor, variable_batch: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The batch's ``(ids int64, lengths int64, per-sample weights float32 | None)``
         after every check (one host sync on the fast path); raises ``KVInputError``
-        naming the table and feature."""
-        if features.variable_stride_per_key():
-            raise KVInputError("variable batch size per feature is not supported unsharded")
+        naming the table and feature. ``variable_batch``: a batch size per feature
+        (VBE) is allowed."""
+        if features.variable_stride_per_key() and not variable_batch:
+            raise KVInputError("variable batch size per feature is not supported here")
         keys = features.keys()
         position = {k: i for i, k in enumerate(keys)}
         for spec in self._specs:
@@ -290,10 +275,10 @@ class KVBagLookup:
             weights = None
         elif self._weights == "required" and weights is None:
             raise KVInputError("weighted collection: the KeyedJaggedTensor has no weights")
-        stride = features.stride()
-        if lengths.numel() != stride * len(keys):
+        if lengths.numel() != sum(features.stride_per_key()):
             raise KVInputError(
-                f"lengths has {lengths.numel()} entries, expected {stride} x {len(keys)} features"
+                f"lengths has {lengths.numel()} entries, expected {features.stride_per_key()} "
+                f"bags for {len(keys)} features"
             )
         if weights is not None and weights.numel() != values.numel():
             raise KVInputError(
@@ -320,10 +305,12 @@ class KVBagLookup:
         """Raise the error a bad batch deserves, naming its table and feature (returns
         when the only fault is a negative id of a feature no KV table reads)."""
         keys = features.keys()
-        stride = features.stride()
         values = features.values()
         lengths = features.lengths()
-        length_per_key = lengths.view(len(keys), stride).sum(dim=1).tolist()
+        bag_starts = [0]
+        for b in features.stride_per_key():
+            bag_starts.append(bag_starts[-1] + b)
+        length_per_key = per_key_sums(lengths, features.stride_per_key())
         if sum(length_per_key) != values.numel():
             raise KVInputError(
                 f"lengths sum to {sum(length_per_key)} but there are {values.numel()} ids"
@@ -339,7 +326,7 @@ class KVBagLookup:
                 lo, hi = starts[k], starts[k + 1]
                 ids = check_ids(spec.name, values[lo:hi], what=f"ids of feature {feature!r}")
                 w = weights[lo:hi] if weights is not None else None
-                check_bags(spec.name, ids, lengths[k * stride : (k + 1) * stride], w)
+                check_bags(spec.name, ids, lengths[bag_starts[k] : bag_starts[k + 1]], w)
         if bool((lengths < 0).any()):
             raise KVInputError("lengths must be >= 0")
 
@@ -348,7 +335,7 @@ class KVBagLookup:
     ) -> tuple[torch.Tensor, dict[str, bool]]:
         """Per-id custom scores (0 where none is given) and which tables have them."""
         keys = features.keys()
-        lengths = features.lengths().view(len(keys), features.stride()).sum(dim=1).tolist()
+        lengths = per_key_sums(features.lengths(), features.stride_per_key())
         starts = [0]
         for n in lengths:
             starts.append(starts[-1] + n)
@@ -375,3 +362,13 @@ class KVBagLookup:
                 scores[lo:hi] = score.to(device=self.device, dtype=torch.int64)
             flags[spec.name] = True
         return scores, flags
+
+
+def per_key_sums(lengths: torch.Tensor, bags_per_key: list[int]) -> list[int]:
+    """Ids per key of a KJT whose keys have ``bags_per_key`` bags (one host sync)."""
+    if not bags_per_key:
+        return []
+    counts = torch.tensor(bags_per_key, device=lengths.device)
+    key_of_bag = torch.arange(len(bags_per_key), device=lengths.device).repeat_interleave(counts)
+    sums = torch.zeros(len(bags_per_key), dtype=torch.int64, device=lengths.device)
+    return sums.index_add_(0, key_of_bag, lengths.to(torch.int64)).tolist()

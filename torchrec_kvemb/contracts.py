@@ -48,7 +48,7 @@ from typing import Any, NamedTuple
 import torch
 
 from torchrec_kvemb.optimizer import FusedOptimConfig
-from torchrec_kvemb.options import WAYS, EvictionPolicy, Initializer
+from torchrec_kvemb.options import DEFAULT_INIT_RANGE, WAYS, EvictionPolicy, Initializer
 
 #: The 64-bit multipliers of MurmurHash3's finalizer (``fmix64``).
 FMIX_M1 = 0xFF51AFD7ED558CCD
@@ -347,7 +347,11 @@ def init_spec(options: Any) -> InitSpec:
     """The ``InitSpec`` of a table built from ``KVTableOptions``."""
     if options.initializer == Initializer.NORMAL:
         return InitSpec(options.seed, True, options.init_mean, options.init_std)
-    return InitSpec(options.seed, False, options.init_low, options.init_high)
+    if options.init_low is None:  # made without a config: the plain default
+        low, high = -DEFAULT_INIT_RANGE, DEFAULT_INIT_RANGE
+    else:
+        low, high = options.init_low, options.init_high
+    return InitSpec(options.seed, False, low, high)
 
 
 def run_of_each(ends: torch.Tensor, n: int) -> torch.Tensor:

@@ -1,19 +1,19 @@
 """KVEmbeddingBagCollection: the unsharded drop-in for TorchRec's EmbeddingBagCollection."""
 
-from __future__ import annotations
-
 from typing import Any
 
 import torch
 from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_kvemb.bag_lookup import BagTable, KVBagLookup
 from torchrec_kvemb.collection import KVTablesMixin
 from torchrec_kvemb.optimizer import FusedOptimConfig
-from torchrec_kvemb.options import KVTableOptions
+from torchrec_kvemb.options import KVTableOptions, with_config_init
 from torchrec_kvemb.state_dict.hooks import register_unsharded_hooks
+from torchrec_kvemb.traceable import KVPooledModule
 
 
 def options_for(options: KVTableOptions | dict[str, KVTableOptions], table: str) -> KVTableOptions:
@@ -59,7 +59,9 @@ class KVEmbeddingBagCollection(KVTablesMixin, nn.Module):
         super().__init__()
         self._is_weighted = is_weighted
         self._embedding_bag_configs = list(tables)
-        self._device = torch.device(device or "cpu")
+        # No device: the default one, as the stock module's parameters take it
+        # (``with torch.device("meta"):`` builds the tables on meta).
+        self._device = torch.device(device) if device is not None else torch.get_default_device()
         self._optim = FusedOptimConfig.from_fused_params(fused_params)
         names = [c.name for c in tables]
         if len(set(names)) != len(names):
@@ -76,13 +78,17 @@ class KVEmbeddingBagCollection(KVTablesMixin, nn.Module):
                 )
                 for c in tables
             ],
-            {c.name: options_for(options, c.name) for c in tables},
+            {c.name: with_config_init(options_for(options, c.name), c) for c in tables},
             self._optim,
             self._device,
             weights="required" if is_weighted else "ignore",
         )
         self._tables = self._lookup.tables()
-        self._feature_names = [f for c in tables for f in c.feature_names]
+        # The lookup as one module call: what fx tracing and scripting see of it.
+        self._pooled = KVPooledModule(self._lookup)
+        # Output keys as the stock module names them: a feature read by several
+        # tables is "feature@table" for each.
+        self._embedding_names = [n for names in get_embedding_names_by_table(tables) for n in names]
         self._dims = [c.embedding_dim for c in tables for _ in c.feature_names]
         register_unsharded_hooks(self)  # state_dict: docs/checkpoint-format.md
 
@@ -138,6 +144,10 @@ class KVEmbeddingBagCollection(KVTablesMixin, nn.Module):
         eviction_scores: dict[str, torch.Tensor] | None = None,
     ) -> KeyedTensor:
         """Pool every feature's bags; ``eviction_scores`` (per feature, one int per id)
-        feeds tables with ``EvictionPolicy.CUSTOM_SCORE``."""
-        pooled = self._lookup.pooled(features, self.training, eviction_scores)
-        return KeyedTensor(keys=self._feature_names, length_per_key=self._dims, values=pooled)
+        feeds tables with ``EvictionPolicy.CUSTOM_SCORE``.
+
+        ``torch.fx.symbolic_trace`` / ``torchrec.fx.symbolic_trace`` and
+        ``torch.jit.script`` take this module (the lookup is one opaque call, see
+        :mod:`torchrec_kvemb.traceable`)."""
+        pooled = self._pooled(features, eviction_scores)
+        return KeyedTensor(keys=self._embedding_names, length_per_key=self._dims, values=pooled)

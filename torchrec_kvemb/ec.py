@@ -14,7 +14,7 @@ from torchrec_kvemb.bag_lookup import BagTable
 from torchrec_kvemb.collection import KVTablesMixin
 from torchrec_kvemb.ebc import options_for
 from torchrec_kvemb.optimizer import FusedOptimConfig
-from torchrec_kvemb.options import KVTableOptions
+from torchrec_kvemb.options import KVTableOptions, with_config_init
 from torchrec_kvemb.sequence_lookup import KVSequenceLookup
 from torchrec_kvemb.state_dict.hooks import register_unsharded_hooks
 
@@ -69,7 +69,7 @@ class KVEmbeddingCollection(KVTablesMixin, nn.Module):
             )
         self._lookup = KVSequenceLookup(
             [BagTable(c.name, c.embedding_dim, tuple(c.feature_names)) for c in tables],
-            {c.name: options_for(options, c.name) for c in tables},
+            {c.name: with_config_init(options_for(options, c.name), c) for c in tables},
             self._optim,
             self._device,
         )

@@ -67,7 +67,9 @@ class BucketIndex:
 
     @property
     def size(self) -> int:
-        """Ids stored."""
+        """Ids stored (none on the meta device)."""
+        if self.keys.device.type == "meta":
+            return 0
         return int((self.keys >= 0).sum())
 
     def buckets_of(self, ids: torch.Tensor) -> torch.Tensor:

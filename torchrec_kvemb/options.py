@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import enum
+import functools
+import math
 import os
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
+
+#: Uniform range -/+ of a table built without a config and without init_low / high.
+DEFAULT_INIT_RANGE = 0.01
 
 #: Slots per index bucket. 16 int64 keys are two cache lines: one probe reads
 #: them in one go (why 16: at 8 ways a uniformly filled table starts evicting
@@ -109,8 +116,12 @@ class KVTableOptions:
     admission_counter_capacity: int | None = None
     initializer: Initializer = Initializer.UNIFORM
     #: UNIFORM draws from [init_low, init_high); NORMAL from N(init_mean, init_std).
-    init_low: float = -0.01
-    init_high: float = 0.01
+    #: ``None`` (both): TorchRec's range for the table's config, as the stock
+    #: module and sharder use it: ``weight_init_min`` / ``weight_init_max``, else
+    #: -/+ sqrt(1 / num_embeddings) (see :func:`with_config_init`); a ``KVTable``
+    #: made without a config takes -/+ ``DEFAULT_INIT_RANGE``.
+    init_low: float | None = None
+    init_high: float | None = None
     init_mean: float = 0.0
     init_std: float = 0.01
     seed: int = 0
@@ -148,7 +159,83 @@ class KVTableOptions:
             raise TypeError(
                 f"KVTableOptions: eviction must be an EvictionPolicy, got {self.eviction!r}"
             )
+        if (self.init_low is None) != (self.init_high is None):
+            raise ValueError("KVTableOptions: give both init_low and init_high, or neither")
+        if self.init_low is not None and not self.init_low <= self.init_high:
+            raise ValueError(
+                f"KVTableOptions: init_low {self.init_low} is above init_high {self.init_high}"
+            )
         if not isinstance(self.initializer, Initializer):
             raise TypeError(
                 f"KVTableOptions: initializer must be an Initializer, got {self.initializer!r}"
             )
+
+
+#: A default initial range below this bound is said out loud (``with_config_init``):
+#: TorchRec's +/-sqrt(1 / num_embeddings) of a KV table over a whole id space.
+TINY_INIT_BOUND = 1e-4
+
+
+def torchrec_init_range(config: Any, init_fn: bool = True) -> tuple[float, float] | None:
+    """The uniform range TorchRec initialises a table of ``config`` with
+    (``weight_init_min`` / ``weight_init_max``, else -/+ sqrt(1 / num_embeddings)),
+    or None when the config has an ``init_fn`` of its own (not a uniform draw) and
+    ``init_fn`` says it counts (the unsharded modules call it; sharded tables,
+    fbgemm's, draw from the range and ignore it)."""
+    fn = getattr(config, "init_fn", None) if init_fn else None
+    if fn is not None and not (
+        isinstance(fn, functools.partial) and fn.func is torch.nn.init.uniform_
+    ):
+        return None
+    low = config.weight_init_min
+    high = config.weight_init_max
+    bound = math.sqrt(1 / config.num_embeddings)
+    return (-bound if low is None else float(low), bound if high is None else float(high))
+
+
+def with_config_init(options: KVTableOptions, config: Any, init_fn: bool = True) -> KVTableOptions:
+    """``options`` with the initial-row distribution the table's TorchRec config
+    gives (an ``EmbeddingBagConfig``, ``EmbeddingConfig`` or sharded table).
+
+    Without ``init_low`` / ``init_high`` (UNIFORM), the table draws from TorchRec's
+    range (:func:`torchrec_init_range`). Options and config that disagree are
+    refused with a ``ValueError`` naming the table: an explicit range or NORMAL
+    initializer against the config's explicit ``weight_init_min`` / ``max``, or a
+    config ``init_fn`` of its own (a KV row is a function of (id, seed, column):
+    no function of a whole weight can make it; ``init_fn=False``: a sharded table,
+    whose stock kernel ignores ``init_fn`` too)."""
+    name = config.name
+    torchrec = torchrec_init_range(config, init_fn)
+    if torchrec is None:
+        raise ValueError(
+            f"table {name!r}: its config has an init_fn of its own, which a KV table "
+            "cannot call (rows are made per id from (id, seed, column)); drop init_fn "
+            "and give weight_init_min / weight_init_max, or KVTableOptions(init_low=..., "
+            "init_high=...) / initializer=Initializer.NORMAL"
+        )
+    explicit = config.weight_init_min is not None or config.weight_init_max is not None
+    if options.initializer == Initializer.NORMAL:
+        if explicit:
+            raise ValueError(
+                f"table {name!r}: KVTableOptions asks for a NORMAL initializer but the "
+                f"config gives the uniform range {list(torchrec)}; keep one of them"
+            )
+        return options
+    if options.init_low is None:
+        if not explicit and torchrec[1] < TINY_INIT_BOUND:
+            warnings.warn(
+                f"table {name!r}: no initial range given, so its rows draw from TorchRec's "
+                f"default +/-sqrt(1 / num_embeddings) = +/-{torchrec[1]:.1e} "
+                f"(num_embeddings={config.num_embeddings}), as a stock table would: rows "
+                "start at nearly zero. Give weight_init_min / weight_init_max on the "
+                "config, or KVTableOptions(init_low=..., init_high=...)",
+                stacklevel=3,
+            )
+        return replace(options, init_low=torchrec[0], init_high=torchrec[1])
+    if explicit and (options.init_low, options.init_high) != torchrec:
+        raise ValueError(
+            f"table {name!r}: KVTableOptions' init range [{options.init_low}, "
+            f"{options.init_high}] differs from the config's weight_init_min / max "
+            f"{list(torchrec)}; keep one of them"
+        )
+    return options

@@ -29,6 +29,8 @@ from torchrec_kvemb.lookup import pooled_eval, pooled_train
 class KVSequenceLookup(KVBagLookup):
     """The KV tables of a sequence collection, grouped (see the module docstring)."""
 
+    shared_features = False
+
     def embeddings(
         self,
         features: KeyedJaggedTensor,

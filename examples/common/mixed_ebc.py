@@ -25,6 +25,13 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec_kvemb import KVEmbeddingBagCollection, KVTableOptions
 
 
+@torch.fx.wrap
+def select_features(features: KeyedJaggedTensor, names: list[str]) -> KeyedJaggedTensor:
+    """The features ``names`` of a batch (one call in an fx graph)."""
+    jts = features.to_dict()
+    return KeyedJaggedTensor.from_jt_dict({n: jts[n] for n in names})
+
+
 class MixedEmbeddingBagCollection(nn.Module):
     """KV tables in a ``KVEmbeddingBagCollection``, the others in a stock
     ``EmbeddingBagCollection``, seen from outside as one collection of every
@@ -50,6 +57,7 @@ class MixedEmbeddingBagCollection(nn.Module):
         self._kv_features = [f for c in kv for f in c.feature_names]
         self._stock_features = [f for c in stock for f in c.feature_names]
         self._features = [f for c in tables for f in c.feature_names]
+        self._dims = [c.embedding_dim for c in tables for _ in c.feature_names]
         self.register_state_dict_post_hook(self._flatten_keys)
         self.register_load_state_dict_pre_hook(self._nest_keys)
 
@@ -60,16 +68,17 @@ class MixedEmbeddingBagCollection(nn.Module):
         return False
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        jts = features.to_dict()
-        pooled: dict[str, torch.Tensor] = {}
+        """One ``KeyedTensor`` of every feature; fx-traceable (the split of the
+        batch between the two collections is one call in the graph)."""
+        outputs = {}
         for module, names in ((self.kv, self._kv_features), (self.stock, self._stock_features)):
             if names:
-                sub = KeyedJaggedTensor.from_jt_dict({n: jts[n] for n in names})
-                pooled.update(module(sub).to_dict())
+                out = module(select_features(features, names))
+                outputs.update({n: out for n in names})
         return KeyedTensor(
             keys=self._features,
-            length_per_key=[pooled[f].shape[1] for f in self._features],
-            values=torch.cat([pooled[f] for f in self._features], dim=1),
+            length_per_key=self._dims,
+            values=torch.cat([outputs[f][f] for f in self._features], dim=1),
         )
 
     @staticmethod

@@ -97,6 +97,10 @@ def kv_options(
             eviction=EvictionPolicy.LFU if i == 1 else EvictionPolicy.LRU,
             admission_threshold=2 if i == 1 else 1,
             seed=args.seed + f,
+            # Explicit: TorchRec's default range, sqrt(1 / num_embeddings), is ~0
+            # over the whole id space.
+            init_low=-0.01,
+            init_high=0.01,
             ssd=ssd,
         )
     return out

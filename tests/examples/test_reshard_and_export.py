@@ -63,6 +63,7 @@ def test_reshard_then_export(trained, tmp_path):
     out = job.stdout
     assert "(saved by 1 ranks) into a read-only unsharded DLRM" in out
     assert "held-out predictions MATCH the training run's" in out
+    assert "traced DLRM (torchrec.fx.symbolic_trace): held-out predictions EQUAL" in out
     assert "inference bundle saved:" in out
     predictions = [x for x in out.splitlines() if x.startswith("batch ")]
     assert len(predictions) == 2

@@ -31,7 +31,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvemb.bag_lookup import BagTable, KVBagLookup
 from torchrec_kvemb.optimizer import OPTIMIZER_KEYS, FusedOptimConfig
-from torchrec_kvemb.options import KVTableOptions
+from torchrec_kvemb.options import KVTableOptions, with_config_init
 from torchrec_kvemb.sequence_lookup import KVSequenceLookup
 from torchrec_kvemb.sharding.fused_optimizer import KVFusedOptimizer
 from torchrec_kvemb.table import KVTable
@@ -85,6 +85,12 @@ class KVTableSpecs:
     options: Mapping[str, KVTableOptions]
     optims: Mapping[str, FusedOptimConfig] = field(default_factory=dict)
 
+    def table_options(self, table: ShardedEmbeddingTable, num_shards: int) -> KVTableOptions:
+        """A table's options on this rank: one of ``num_shards`` equal shards, its
+        initial rows drawn as TorchRec's sharded table would (its config's range)."""
+        options = with_config_init(self.options[table.name], table, init_fn=False)
+        return shard_options(options, num_shards)
+
     def bag_lookup(
         self,
         config: GroupedEmbeddingConfig,
@@ -106,7 +112,7 @@ class KVTableSpecs:
                 )
                 for t in tables
             ],
-            {t.name: shard_options(self.options[t.name], num_shards) for t in tables},
+            {t.name: self.table_options(t, num_shards) for t in tables},
             {t.name: self.optims.get(t.name) or optim_config(config.fused_params) for t in tables},
             device,
             weights="if_present",
@@ -119,7 +125,7 @@ class KVTableSpecs:
         tables: list[ShardedEmbeddingTable] = config.embedding_tables
         return KVSequenceLookup(
             [BagTable(t.name, t.local_cols, tuple(t.feature_names)) for t in tables],
-            {t.name: shard_options(self.options[t.name], num_shards) for t in tables},
+            {t.name: self.table_options(t, num_shards) for t in tables},
             {t.name: self.optims.get(t.name) or optim_config(config.fused_params) for t in tables},
             device,
         )
@@ -186,9 +192,10 @@ class KVEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
         """Nothing cached (called after ``load_state_dict``)."""
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        if features.variable_stride_per_key():
-            raise ValueError("KV tables: variable batch size per feature is not supported yet")
-        return self._lookup.pooled(features, self.training)
+        """``[stride, sum of feature dims]``; with a batch size per feature and source
+        rank (VBE), TorchRec's flat VBE layout (rank, feature, sample, column), as a
+        TBE gives for ``batch_size_per_feature_per_rank``."""
+        return self._lookup.pooled(features, self.training, variable_batch=True)
 
 
 class KVGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
@@ -238,6 +245,18 @@ class KVGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
         row_wise = sharding_type == ShardingType.ROW_WISE
         lookup = self._kv_specs.bag_lookup(config, device, self._kv_num_shards, row_wise)
         return KVEmbeddingBag(config, lookup, group=pg, row_wise=row_wise)
+
+    def forward(self, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
+        """The stock lookup; with VBE and several KV kernels, their flat outputs are
+        merged rank-major (TorchRec's layout for several TBEs), since KV kernels
+        make their own output rather than write into a preallocated one."""
+        if sparse_features.variable_stride_per_key() and len(self._emb_modules) > 1:
+            features_by_group = sparse_features.split(self._feature_splits)
+            embeddings = self._forward(features_by_group)
+            return self._merge_variable_batch_embeddings(
+                embeddings, self._vbe_splits(features_by_group)
+            )
+        return super().forward(sparse_features)
 
     def kv_tables(self) -> dict[str, KVTable]:
         """This rank's KV table shards, by table name."""

@@ -78,8 +78,7 @@ def route_kv_features(
         raise ValueError(
             f"num_buckets {list(num_buckets)} must be multiples of world_size={world_size}"
         )
-    if features.variable_stride_per_key():
-        raise ValueError("KV row-wise: variable batch size per feature is not supported yet")
+    vbe = features.variable_stride_per_key()
     ids = features.values()
     lengths = features.lengths()
     weights = features.weights_or_none()
@@ -94,25 +93,45 @@ def route_kv_features(
     buckets = route_bucket(ids, per_id_buckets)
     if mean_pooled is not None and any(mean_pooled):
         weights = _mean_weights(features, mean_pooled, weights)
-    routed = block_bucketize_2d(
-        lengths,
-        buckets,
-        block_sizes=[g // world_size for g in num_buckets],
-        world_size=world_size,
-        weights=weights,
-        keep_orig_idx=True,
-    )
+    if vbe:
+        # Features have batch sizes of their own: route by owner rank, every bag
+        # as one feature's (block size 1), which keeps the bags' order per rank.
+        if isinstance(per_id_buckets, int):
+            owners = buckets // (per_id_buckets // world_size)
+        else:
+            owners = buckets // torch.div(per_id_buckets, world_size, rounding_mode="floor")
+        routed = block_bucketize_2d(
+            lengths, owners, block_sizes=[1], world_size=world_size, weights=weights
+        )
+    else:
+        routed = block_bucketize_2d(
+            lengths,
+            buckets,
+            block_sizes=[g // world_size for g in num_buckets],
+            world_size=world_size,
+            weights=weights,
+            keep_orig_idx=True,
+        )
     # The bucketized indices are bucket numbers: put each id where its bucket went
     # (why scatter_: 4x faster than index assignment on 330k ids).
     permute = routed.unbucketize_permute.to(torch.int64)
     routed_ids = torch.empty_like(ids).scatter_(0, permute, ids)
-    routed_kjt = KeyedJaggedTensor(
-        keys=keys * world_size,
-        values=routed_ids,
-        weights=routed.weights,
-        lengths=routed.lengths,
-        stride=features.stride(),
-    )
+    if vbe:  # each rank's copy of a feature has the feature's batch size
+        routed_kjt = KeyedJaggedTensor(
+            keys=keys * world_size,
+            values=routed_ids,
+            weights=routed.weights,
+            lengths=routed.lengths,
+            stride_per_key_per_rank=features.stride_per_key_per_rank() * world_size,
+        )
+    else:
+        routed_kjt = KeyedJaggedTensor(
+            keys=keys * world_size,
+            values=routed_ids,
+            weights=routed.weights,
+            lengths=routed.lengths,
+            stride=features.stride(),
+        )
     return routed_kjt, permute
 
 
@@ -124,9 +143,9 @@ def _mean_weights(
     """Per-id ``weight / bag length`` for MEAN features, ``weight`` (or 1) for the others."""
     ids = features.values()
     lengths = features.lengths().to(torch.int64)
-    stride = features.stride()
     is_mean = torch.tensor(mean_pooled, dtype=torch.bool, device=ids.device)
-    is_mean = is_mean.repeat_interleave(stride, output_size=lengths.numel())
+    bags = torch.tensor(features.stride_per_key(), device=ids.device)
+    is_mean = is_mean.repeat_interleave(bags, output_size=lengths.numel())
     divisor = torch.where(is_mean, lengths.clamp(min=1), 1).to(torch.float32)
     divisor = divisor.repeat_interleave(lengths, output_size=ids.numel())
     if weights is None:
