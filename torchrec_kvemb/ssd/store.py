@@ -67,6 +67,7 @@ COUNTERS = (
     "ssd_corrupt",
     "ssd_prefetch_hits",
     "ssd_flushes",
+    "scratch_rows",
 )
 
 
