@@ -18,6 +18,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_kvemb import EvictionPolicy, KVEmbeddingBagCollection, KVTableOptions, SSDOptions
 from torchrec_kvemb.ops.hashing import index_bucket
 from torchrec_kvemb.options import WAYS
+from torchrec_kvemb.ssd import KVStorageError
 
 DIM = 7
 SMALL = 5 * WAYS  # 5 buckets of the in-memory tier
@@ -164,4 +165,55 @@ def test_pending_scratch_rows_are_found_flushed_and_restored(tmp_path):
     got, found = reopened.find(ids)
     assert bool(found.all())
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    reopened.close()
+
+
+def test_full_disk_when_the_pad_is_written_back_loses_nothing(tmp_path, monkeypatch):
+    """A full disk when the scratch rows go to the SSD tier raises ``KVStorageError``
+    (naming the table) before anything changes: the pad keeps its trained rows,
+    the previous flush stays whole, and once there is room training goes on as if
+    nothing had happened."""
+    fused = OPTIMIZERS["rowwise_adagrad"]
+    ssd = SSDOptions(path=str(tmp_path))
+    cached = _ebc(fused, KVTableOptions(capacity=SMALL, ssd=ssd))
+    reference = _ebc(fused, KVTableOptions(capacity=BIG))
+    table = cached.table("t")
+    gen = torch.Generator().manual_seed(4)
+    batches = [_kjt(ids, gen) for ids in _batches()]
+    grads = [torch.randn(k.stride(), 2 * DIM, generator=gen) for k in batches]
+
+    def step(ebc, i):
+        out = ebc(batches[i]).values()
+        (out * grads[i]).sum().backward()
+        return out.detach()
+
+    for i in range(4):
+        step(cached, i), step(reference, i)
+    table.flush()
+    flushed = reference.table("t").export()
+    step(cached, 4), step(reference, 4)
+    assert table.metrics()["scratch_rows"] > 0
+    pending = table.metrics()["ssd_size"]
+    ids = reference.table("t").export()["ids"]
+    before, _ = table.find(ids)
+
+    def no_space(n):
+        raise KVStorageError(f"table {table.name!r}: no space left on device (injected)")
+
+    monkeypatch.setattr(table.ssd, "reserve", no_space)
+    with pytest.raises(KVStorageError, match="table 't'.*no space"):
+        step(cached, 5)
+    assert table.metrics()["ssd_size"] == pending
+    after, found = table.find(ids)
+    assert bool(found.all()) and torch.equal(after, before), "a failed write-back lost rows"
+    monkeypatch.undo()
+    for i in range(5, 8):
+        torch.testing.assert_close(step(cached, i), step(reference, i), rtol=1e-6, atol=1e-7)
+    _assert_same_content(table, reference.table("t"))
+
+    table.ssd.close()  # a crash: the flush before the fault is what reopening finds
+    reopened = _ebc(fused, KVTableOptions(capacity=SMALL, ssd=ssd)).table("t")
+    got = reopened.export()
+    assert torch.equal(got["ids"], flushed["ids"])
+    torch.testing.assert_close(got["weights"], flushed["weights"], rtol=1e-6, atol=1e-7)
     reopened.close()
