@@ -337,7 +337,10 @@ def main(argv: Sequence[str] | None = None) -> SoakResult:
         print(f"wrote {plot(result, args.plot)}")
     if args.out:
         text = report(result, markdown=True)
-        machine = f"{machine_summary()}; `{command_line('benchmarks.soak', argv)}`"
+        machine = (
+            f"{machine_summary()} (the soak itself: {config.threads or 'all'} thread(s)); "
+            f"`{command_line('benchmarks.soak', argv)}`"
+        )
         write_markdown(args.out, "Soak", [machine, text])
         print(f"wrote {args.out}")
     return result
