@@ -99,6 +99,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
         return self._pad.arrays
 
     def memory_bytes(self) -> int:
+        """``KVTable.memory_bytes`` plus the scratch rows allocated."""
         return super().memory_bytes() + self._pad.memory_bytes()
 
     def _restore(self) -> None:
