@@ -12,7 +12,10 @@ Runs, in turn, each benchmark module's ``main``:
 * ``ssd``: a tenth of the ids in memory with the SSD tier vs all in memory
   (``benchmarks.ssd_tier``);
 * ``checkpoint``: checkpoint save/load vs the disk's sequential rates
-  (``benchmarks.checkpoint``).
+  (``benchmarks.checkpoint``);
+* ``soak``: a table at capacity over an SSD tier under constant churn, at the
+  short setting (``benchmarks.soak --quick``; its full setting is 20,000
+  steps): RSS, slab size, load factors, zero rows lost; ``plots/soak.png``.
 
 It collects each one's headline ratios and targets into one table, prints it
 at the end, and writes ``<out-dir>/benchmark-results.md`` (the table, the
@@ -45,7 +48,7 @@ from pathlib import Path
 
 from benchmarks.common import format_ratio, format_table, machine_summary, markdown_table
 
-BENCHMARKS = ("ebc", "ec", "precision", "dist", "ssd", "checkpoint")
+BENCHMARKS = ("ebc", "ec", "precision", "dist", "ssd", "checkpoint", "soak")
 RESULTS_FILE = "benchmark-results.md"
 GPU_RESULTS_FILE = "benchmark-results-gpu.md"
 HEADERS = ("benchmark", "ratio", "KV", "baseline", "value", "target", "")
@@ -188,6 +191,26 @@ def run_checkpoint(quick: bool) -> tuple[list[Row], object]:
     return rows, result
 
 
+def run_soak(quick: bool) -> tuple[list[Row], object]:
+    from benchmarks import soak
+
+    result = soak.main(["--quick", *(["--steps", "300"] if quick else [])])
+    warm = [
+        s
+        for s in result.samples
+        if s["step"] >= result.config.warmup_fraction * result.config.steps
+    ]
+    slab = max(s["slab_mb"] for s in result.samples)
+    rows = [
+        Row("soak", "RSS at end / after warm-up", warm[-1]["rss_mb"], warm[0]["rss_mb"], "MiB",
+            None),
+        Row("soak", "slab file max / bound", slab, result.slab_bound_bytes / 2**20, "MiB", None),
+    ]  # fmt: skip
+    failed = [name for name, (passed, _) in result.checks.items() if not passed]
+    print(f"soak checks: {'all met' if not failed else 'MISSED ' + ', '.join(failed)}")
+    return rows, result
+
+
 def run_gpu(quick: bool, device: str) -> tuple[list[Row], object]:
     from benchmarks import gpu_kernels
 
@@ -213,6 +236,7 @@ RUNNERS: dict[str, Callable[[bool], tuple[list[Row], object]]] = {
     "dist": run_dist,
     "ssd": run_ssd,
     "checkpoint": run_checkpoint,
+    "soak": run_soak,
 }
 
 
@@ -239,6 +263,7 @@ def plot_ratios(rows: Sequence[Row], path: Path) -> Path:
         "dist": "tab:orange",
         "ssd": "tab:green",
         "checkpoint": "tab:red",
+        "soak": "tab:brown",
         "gpu": "tab:purple",
     }
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rows) + 2), 4.5))
@@ -390,6 +415,10 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     plots = [plot_ratios(rows, out_dir / "plots" / "ratios.png")]
     if "ebc" in results:
         plots.append(plot_ebc_throughput(results["ebc"], out_dir / "plots" / "ebc_throughput.png"))
+    if "soak" in results:
+        from benchmarks import soak
+
+        plots.append(Path(soak.plot(results["soak"], str(out_dir / "plots" / "soak.png"))))
     path = write_results(rows, out_dir, command, plots, seconds)
 
     print(f"\n=== summary ({seconds:.0f} s) ===")

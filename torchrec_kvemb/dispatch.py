@@ -55,6 +55,13 @@ def probe(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         from torchrec_kvemb.kernels import probe as kernel
 
         return kernel.probe_triton(keys, ids)
+    if native.use_native(ids.device) and keys.is_contiguous() and ids.dtype == torch.int64:
+        # why native: 0.13-0.18 ms against 0.84-1.15 ms (torch ops, 1 thread) for 20k ids
+        # in an index of 2,508 buckets; the same slots (the group probe of one table).
+        ids = ids.contiguous()
+        one = torch.tensor([keys.shape[0]], dtype=torch.int64)
+        table = torch.zeros(ids.numel(), dtype=torch.int64)
+        return native.lookup_eval_group(keys, one.new_zeros(1), one, ids, table)[0]
     return probe_torch(keys, ids)
 
 

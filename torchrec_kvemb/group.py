@@ -109,11 +109,12 @@ class KVTableGroup:
         looked up by its own path, table by table)."""
         group = cls.__new__(cls)
         counter_ids = table.counts.numel() if table.counts is not None else 0
+        weights, state = table.batch_rows()
         storage = TableStorage(
             table.keys,
             table.scores,
-            table.weights,
-            table.state,
+            weights,
+            state,
             table.counter.keys if table.counter is not None else table.keys[:0],
             table.counter.scores if table.counter is not None else table.scores[:0],
             table.counts if table.counts is not None else table.keys.new_empty(0),
@@ -272,11 +273,18 @@ class KVTableGroup:
             device_steps=steps,
             learning_rates=self.learning_rate_tensor(),
             row_offsets=tuple(self.row_offsets),
-            rows=tuple(t.capacity for t in self.tables),
+            rows=self._row_counts(),
             row_ends=self._row_ends,
         )
         scratch = self._scratch(self.backend(grad_out.device))
         dispatch.group_fused_backward(self.storage, optim, lookup, grad_out, bags, scratch)
+
+    def _row_counts(self) -> tuple[int, ...]:
+        """Rows each table's slots may address: its capacity (a group of one table
+        alone: its arrays' rows, scratch rows of an SSD tier included)."""
+        if self.per_table_only:
+            return (self.storage.weights.shape[0],)
+        return tuple(t.capacity for t in self.tables)
 
     def advance_clocks(self) -> torch.Tensor:
         """Advance every table's training clock (the LRU step) by one, as a lookup

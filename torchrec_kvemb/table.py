@@ -360,7 +360,7 @@ class KVTable:
         uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
         custom = max_per_unique(custom_scores, inverse, uniq.numel())
         values = self.score_values(uniq, counts, custom)
-        slots_u, hit_u, inserted_u, _ = self.compete(uniq, counts, values)
+        slots_u, hit_u, inserted_u, _, _ = self.compete(uniq, counts, values)
         self.init_rows_at(slots_u[inserted_u], uniq[inserted_u])
         self.count_hits(ids.numel(), counts, hit_u)
         return slots_u[inverse]
@@ -392,14 +392,16 @@ class KVTable:
         counts: torch.Tensor,
         values: torch.Tensor,
         stored: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, InsertResult]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, InsertResult, torch.Tensor]:
         """Admission, then find-or-insert of a batch's unique ids: ``(slots, hit,
-        inserted, result)`` per unique id (slot -1: not admitted or no room).
+        inserted, result, no_room)`` per unique id (slot -1: not admitted or no
+        room; ``no_room``: admitted, or stored, but no memory row).
         ``stored``: which ids hold a row (default: those the index holds)."""
         if self.counter is None:
             # why: every id is a candidate; skipping the masks saves ~2 ms per 80k ids.
             result = self.insert_ids(uniq, values)
-            return result.slots, result.hit, result.inserted, result
+            no_room = ~result.hit & ~result.inserted
+            return result.slots, result.hit, result.inserted, result, no_room
         candidates = self.admit(uniq, counts, stored)
         cand_idx = candidates.nonzero().squeeze(1)
         result = self.insert_ids(uniq[cand_idx], values[cand_idx])
@@ -407,7 +409,10 @@ class KVTable:
         hit = torch.zeros_like(candidates).index_copy_(0, cand_idx, result.hit)
         inserted = torch.zeros_like(candidates).index_copy_(0, cand_idx, result.inserted)
         self.count("admission_rejects", uniq.numel() - cand_idx.numel())
-        return slots, hit, inserted, result
+        no_room = torch.zeros_like(candidates).index_copy_(
+            0, cand_idx, ~result.hit & ~result.inserted
+        )
+        return slots, hit, inserted, result, no_room
 
     def insert_ids(self, ids: torch.Tensor, values: torch.Tensor) -> InsertResult:
         """Find-or-insert unique ``ids`` by the table's eviction policy (rows untouched)."""
@@ -464,6 +469,11 @@ class KVTable:
         self.count("misses", n - hits)
 
     # ------------------------------------------------------------------ rows
+    def batch_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``(weights, state)`` arrays the slots of a lookup address: the table's
+        rows, and with an SSD tier its scratch rows after them (docs/ssd-tier.md)."""
+        return self.weights, self.state
+
     def rows_at(self, slots: torch.Tensor) -> torch.Tensor:
         """Weights and state of ``slots`` side by side: ``[n, dim + state_dim]``."""
         return torch.cat(

@@ -12,6 +12,10 @@ is used through its public methods only:
 * ``prefetch``, ``flush``, ``close``; at construction, what the last flush of a
   previous run left is restored.
 
+Ids of a training batch that find no memory row (a bucket full of the batch's
+ids) train in scratch rows after the memory rows (``ssd/scratch.py``), written
+to the SSD tier at the table's next call.
+
 The two tiers never hold the same id. ``KVTable(..., options)`` with
 ``options.ssd`` builds this class. See docs/ssd-tier.md.
 
@@ -28,21 +32,15 @@ import torch
 from torchrec_kvemb.ops.hashing import INT64_MAX, route_bucket
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import WAYS, EvictionPolicy, KVTableOptions
+from torchrec_kvemb.ssd.scratch import ScratchPad
 from torchrec_kvemb.ssd.store import SSDStore, default_rank
 from torchrec_kvemb.table import KVTable, max_per_unique
 from torchrec_kvemb.validation import check_ids
 
 
 class TieredKVTable(KVTable, serves_ssd=True):
-    """A :class:`~torchrec_kvemb.table.KVTable` over an SSD tier (``options.ssd``).
-
-    Example::
-
-        table = TieredKVTable("user", 8, KVTableOptions(capacity=1000,
-                                                         ssd=SSDOptions("/mnt/ssd")))
-        table.flush()   # every row durable; reopening the path restores them
-        table.close()
-    """
+    """A :class:`~torchrec_kvemb.table.KVTable` over an SSD tier (``options.ssd``): see
+    the module docstring; ``flush()`` makes every row durable, ``close()`` too."""
 
     def __init__(
         self,
@@ -69,6 +67,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
                 f"table's scores, which are {policy.name} scores; use LRU or NONE"
             )
         rank = default_rank() if rank is None else rank
+        self._pad = ScratchPad(self.weights, self.state)
         self._store = SSDStore(name, dim, self.state_dim, ssd, rank)
         try:
             self._restore()
@@ -83,8 +82,8 @@ class TieredKVTable(KVTable, serves_ssd=True):
 
     @property
     def total_size(self) -> int:
-        """Ids stored in memory and on the SSD tier."""
-        return self.size + self._store.size
+        """Ids stored in memory, on the SSD tier and in the scratch pad."""
+        return self.size + self._store.size + self._pad.pending
 
     def room(self) -> int | None:
         """Memory rows plus the SSD tier's capacity (None when the tier grows)."""
@@ -93,7 +92,15 @@ class TieredKVTable(KVTable, serves_ssd=True):
         return self.capacity + self._store.capacity
 
     def tier_metrics(self) -> dict[str, float]:
-        return {**self._store.counters, "ssd_size": self._store.size}
+        return {**self._store.counters, "ssd_size": self._store.size + self._pad.pending}
+
+    def batch_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table's rows and, after them, its scratch rows (``ssd/scratch.py``)."""
+        return self._pad.arrays
+
+    def memory_bytes(self) -> int:
+        """``KVTable.memory_bytes`` plus the scratch rows allocated."""
+        return super().memory_bytes() + self._pad.memory_bytes()
 
     def _restore(self) -> None:
         """Load what the last flush of a previous run left: counters, memory rows
@@ -117,9 +124,10 @@ class TieredKVTable(KVTable, serves_ssd=True):
     def lookup_train(
         self, ids: torch.Tensor, custom_scores: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """``KVTable.lookup_train`` over both tiers: an id the SSD tier holds competes
-        for a memory row as a stored id would (it outranks new ids and unprotected
-        stored ones), and comes back with its row, state and score."""
+        """``KVTable.lookup_train`` over both tiers: an SSD id competes for a memory row
+        as a stored id would and comes back with its row, state and score. An id with
+        a row, or new and admitted, that finds no memory row gets a scratch row."""
+        self._settle()
         uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
         mem_slots = self.index.probe(uniq)
         miss = (mem_slots < 0).nonzero().squeeze(1)
@@ -136,21 +144,34 @@ class TieredKVTable(KVTable, serves_ssd=True):
         before = self._scores_before(uniq[miss])
         stored = mem_slots >= 0
         stored[found] = True
-        slots_u, hit_u, inserted_u, result = self.compete(uniq, counts, values, stored)
+        slots_u, hit_u, inserted_u, result, no_room = self.compete(uniq, counts, values, stored)
+        moved = (slots_u[found] >= 0) | no_room[found]  # leaves the SSD tier
+        self._store.remove(ssd_slots[moved.cpu()])
         promoted = (slots_u[found] >= 0).nonzero().squeeze(1)
-        self._store.remove(ssd_slots[promoted.cpu()])
         self._demote(result.evicted_ids, result.evicted_slots, before)
         self._promote(slots_u[found[promoted]], ssd_rows[promoted], promoted_scores[promoted])
         self.count("inserts", -promoted.numel())
         inserted_u[found[promoted]] = False
         self.init_rows_at(slots_u[inserted_u], uniq[inserted_u])
         self.count_hits(ids.numel(), counts, hit_u)
+        if bool(no_room.any()):
+            pad = no_room.nonzero().squeeze(1)
+            state = torch.zeros(pad.numel(), self.state_dim, device=self.device)
+            rows = torch.cat([self.initial_rows(uniq[pad]), state], dim=1)
+            scores = values[pad]
+            from_ssd = no_room[found].nonzero().squeeze(1)
+            at = torch.searchsorted(pad, found[from_ssd])
+            rows[at], scores[at] = ssd_rows[from_ssd].to(rows.dtype), promoted_scores[from_ssd]
+            slots_u[pad] = self._pad.write(rows, uniq[pad], scores)
+            self._store.counters["scratch_rows"] += pad.numel()
         return slots_u[inverse]
 
     def lookup_eval(self, ids: torch.Tensor) -> torch.Tensor:
         """``KVTable.lookup_eval`` over both tiers: ids held by the SSD tier are promoted
         (outranking unprotected stored ids; the batch's hits keep their rows and
-        scores), so that the pooled lookup finds them in memory."""
+        scores), so that the pooled lookup finds them in memory; those that find no
+        memory row are read into scratch rows for the batch."""
+        self._settle()
         uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
         mem_slots = self.index.probe(uniq)
         hit = mem_slots >= 0
@@ -186,6 +207,10 @@ class TieredKVTable(KVTable, serves_ssd=True):
         self._store.remove(ssd_slots[promoted.cpu()])
         self._demote(result.evicted_ids, result.evicted_slots, before)
         self._promote(found_slots[promoted], ssd_rows[promoted], ssd_scores[promoted])
+        left = (found_slots < 0).nonzero().squeeze(1)
+        if left.numel():  # a read-only copy: their rows stay on the SSD tier
+            slots_u[found[left]] = self._pad.write(ssd_rows[left])
+            self._store.counters["scratch_rows"] += left.numel()
         return slots_u[inverse]
 
     # ------------------------------------------------------ reads and writes
@@ -202,6 +227,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
         as a stored id would be (and moves to memory); rows that find no memory row
         go to the SSD tier (slot -1)."""
         ids, values = self._checked_insert(ids, weights, state, scores, exact_scores)
+        self._settle()
         store = self._store
         ssd_slots = store.lookup(ids.cpu())
         held = (ssd_slots >= 0).nonzero().squeeze(1)
@@ -259,10 +285,14 @@ class TieredKVTable(KVTable, serves_ssd=True):
         uniq_rows[held[ok]] = ssd_rows[ok, : self.dim]
         rows[missing] = uniq_rows.to(self.device)[inverse]
         found[missing] = got.to(self.device)[inverse]
+        held, pad_rows = self._pad.find(ids)  # the last batch's scratch rows
+        rows[held] = pad_rows.to(rows.dtype)
+        found[held] = True
         return rows, found
 
     def export(self, route_buckets: int | None = None) -> dict[str, torch.Tensor]:
         """``KVTable.export`` over both tiers."""
+        self._settle()
         memory = super().export()
         ssd_ids, ssd_scores, ssd_rows = self._store.export()
         ids, order = torch.sort(torch.cat([memory["ids"], ssd_ids.to(self.device)]))
@@ -304,6 +334,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
     def clear(self) -> None:
         """Remove every id from both tiers, and the admission counts."""
         super().clear()
+        self._pad.release()
         if self._store.size:
             ids = self._store.export()[0]
             self._store.remove(self._store.lookup(ids))
@@ -325,18 +356,20 @@ class TieredKVTable(KVTable, serves_ssd=True):
         (naming the table and file) on an I/O error; the previous flush then stays
         the durable one."""
         slots = self.index.live_slots()
-        self._store.flush(
-            self.index.ids_at(slots).cpu(),
-            self.index.scores_at(slots).cpu(),
-            self.rows_at(slots).cpu(),
-            {"step": self.step, "optim_step": self.optim_step},
-        )
+        pad_ids, pad_scores, pad_rows = self._pad.pending_rows()  # not written back yet
+        ids = torch.cat([self.index.ids_at(slots), pad_ids])
+        scores = torch.cat([self.index.scores_at(slots), pad_scores])
+        rows = self.rows_at(slots)
+        rows = torch.cat([rows, pad_rows.to(rows.dtype)])
+        meta = {"step": self.step, "optim_step": self.optim_step}
+        self._store.flush(ids.cpu(), scores.cpu(), rows.cpu(), meta)
 
     def close(self) -> None:
         """``flush()``, then close the SSD tier's files (a no-op when closed already).
         The table cannot be used afterwards."""
         if self._store.closed:
             return
+        self._settle()
         self.flush()
         self._store.close()
 
@@ -355,9 +388,24 @@ class TieredKVTable(KVTable, serves_ssd=True):
             return memory_scores
         return torch.full_like(memory_scores, self.step)  # LRU over another policy: demotion time
 
+    def _settle(self) -> None:
+        """Write the scratch rows of the last training batch (trained by its backward
+        since) to the SSD tier. A full disk raises here, and they stay in the pad."""
+        if not self._pad.pending:
+            return
+        ids, scores, rows = self._pad.pending_rows()
+        self._reserve(ids.numel())
+        self._store.put(ids.cpu(), scores.cpu(), self._ssd_scores(scores).cpu(), rows.cpu())
+        self._pad.release()
+
     def _reserve(self, n: int) -> None:
         """Room in the slab for ``n`` rows, before anything in memory changes (a
-        full disk raises here); flushes first when that frees enough records."""
+        full disk raises here); flushes first when that frees enough records. Room
+        for a flush's snapshot of the memory rows is kept free beside them (why: a
+        flush cannot free records before it has written that snapshot, so a slab
+        without that room grew by half at every periodic flush: 1.7x the bound of
+        docs/ssd-tier.md in a soak)."""
+        n += self.capacity + self._pad.pending
         if self._store.needs_flush(n):
             self.flush()
         self._store.reserve(n)

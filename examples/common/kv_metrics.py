@@ -1,8 +1,10 @@
 """The KV tables' counters during training: this rank's, summed over ranks, as text.
 
 Every KV table shard reports ``metrics()`` (stored rows, capacity, hits,
-misses, evictions, admission rejects, SSD rows / reads / writes); the jobs sum
-them over tables and ranks and show them in the progress bar.
+misses, evictions, admission rejects, ids that found no memory row in their
+batch (``insert_failures``: bucket overflow), SSD rows / reads / writes,
+scratch rows); the jobs sum them over tables and ranks and show them in the
+progress bar.
 
 Example::
 
@@ -26,6 +28,8 @@ KV_COUNTERS = (
     "misses",
     "evictions",
     "admission_rejects",
+    "insert_failures",
+    "scratch_rows",
     "ssd_size",
     "ssd_reads",
     "ssd_writes",
@@ -67,12 +71,15 @@ def describe_kv(c: dict[str, float], window: dict[str, float] | None = None) -> 
     text = (
         f"rows={_short(c['size'])} load={c['size'] / max(c['capacity'], 1):.2f} "
         f"hit={100 * w['hits'] / lookups if lookups else 0:.1f}% "
-        f"evict={_short(c['evictions'])} rejects={_short(c['admission_rejects'])}"
+        f"evict={_short(c['evictions'])} rejects={_short(c['admission_rejects'])} "
+        # ids that found no memory row in their batch (a bucket full of the batch's ids)
+        f"overflow={_short(c['insert_failures'])}"
     )
     if c["ssd_size"] or c["ssd_writes"]:
         text += (
             f" ssd_rows={_short(c['ssd_size'])} ssd_r/w="
             f"{_short(c['ssd_reads'])}/{_short(c['ssd_writes'])}"
+            f" scratch={_short(c['scratch_rows'])}"
         )
     return text
 

@@ -33,7 +33,7 @@ def test_train_dlrm_synthetic_torchrun(tmp_path):
     job = train_tiny(workdir, steps=6)
     assert "trained 6 steps x 2 ranks x 64 samples" in job.stdout
     # The progress bar (rank 0, stderr) carries the loss and the KV metrics.
-    for word in ("step/s", "loss=", "rows=", "load=", "hit=", "evict=", "rejects="):
+    for word in ("step/s", "loss=", "rows=", "load=", "hit=", "evict=", "rejects=", "overflow="):
         assert word in job.stderr, word
     assert "SSD tier:" in job.stdout and "ssd_r/w=" in job.stdout
     assert any((workdir / "ssd").iterdir())

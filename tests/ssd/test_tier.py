@@ -51,8 +51,9 @@ def _touch(table: KVTable, slots: torch.Tensor, ids: torch.Tensor) -> None:
     """A stand-in for an optimizer step: rows and state change as a function of the id."""
     stored = slots >= 0
     slots, ids = slots[stored], ids[stored]
-    table.weights[slots] += (ids % 97).to(torch.float32).unsqueeze(1) / 64 + 0.125
-    table.state[slots] += 1.0
+    weights, state = table.batch_rows()  # slots >= capacity: the batch's scratch rows
+    weights[slots] += (ids % 97).to(torch.float32).unsqueeze(1) / 64 + 0.125
+    state[slots] += 1.0
 
 
 def _train(table: KVTable, batches) -> None:

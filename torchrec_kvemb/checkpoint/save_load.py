@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
@@ -136,6 +137,33 @@ def _table_configs(slots: Mapping[str, KVTableSlot], group) -> dict[str, dict[st
 
 
 # ------------------------------------------------------------------- load
+def _read(
+    path: str,
+    targets: dict[str, Any],
+    reader: ParallelFileSystemReader,
+    row_offsets: dict[str, int],
+    group: Any,
+) -> None:
+    """``dcp.load`` of ``targets`` (copies: the model is untouched). A read that fails
+    on any rank (a truncated file, a disk error) raises ``CheckpointError`` naming
+    the path and the first failure, on every rank."""
+    try:
+        with comm.single_process_ok():
+            dcp.load(
+                targets,
+                storage_reader=reader,
+                planner=RowRangePlanner(row_offsets),
+                process_group=group,
+                no_dist=group is None,
+            )
+    except CheckpointException as err:
+        rank, (first, _) = next(iter(err.failures.items()))
+        raise CheckpointError(
+            f"checkpoint {path!r}: reading failed on rank {rank}: {type(first).__name__}: "
+            f"{first}; nothing was loaded"
+        ) from err
+
+
 def load(
     model: nn.Module,
     path: str | os.PathLike,
@@ -180,14 +208,7 @@ def load(
     buckets = {
         p: torch.empty(saved[f"{MODEL}.{p}bucket"].size, dtype=torch.int64) for p in kv_reads
     }
-    with comm.single_process_ok():
-        dcp.load(
-            {f"{MODEL}.{p}bucket": t for p, t in buckets.items()},
-            storage_reader=reader,
-            planner=RowRangePlanner({}),
-            process_group=group,
-            no_dist=group is None,
-        )
+    _read(path, {f"{MODEL}.{p}bucket": t for p, t in buckets.items()}, reader, {}, group)
 
     # 2. Everything: the bucket ranges this rank owns, stock entries into copies.
     targets: dict[str, Any] = {}
@@ -218,14 +239,7 @@ def load(
             if isinstance(md, TensorStorageMetadata)
             else None
         )
-    with comm.single_process_ok():
-        dcp.load(
-            targets,
-            storage_reader=reader,
-            planner=RowRangePlanner(row_offsets),
-            process_group=group,
-            no_dist=group is None,
-        )
+    _read(path, targets, reader, row_offsets, group)
 
     # 3. Check what this rank keeps, agree, then change the model.
     pending: list[tuple[KVTableSlot, TableRows]] = []

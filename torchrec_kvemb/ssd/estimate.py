@@ -6,8 +6,11 @@ The in-memory part is ``torchrec_kvemb.memory.table_memory`` (sized by
 record (free list, write generation, durable flag), and on disk one record per
 row plus the slack copy-on-write needs: the rows freed since the last flush
 (up to a quarter of the file before the table flushes by itself) and the
-in-memory rows written by the last flush and the one in progress. So the slab
-holds up to about ``1.5 * (ssd_rows + 2 * memory_rows)`` records.
+in-memory rows written by the last flush and the room kept for the next one.
+A slab grows by half when it is short, and it is short only with less than a
+quarter of it waiting for a flush, so it holds at most
+``2 * (ssd_rows + 2 * memory_rows) + 1024`` records (for batches of fewer
+distinct ids than ``memory_rows``; ``benchmarks/soak.py`` checks it).
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import WAYS, KVTableOptions
 from torchrec_kvemb.ssd.slab import HEADER_BYTES, record_words
 from torchrec_kvemb.ssd.slot_index import INDEX_BYTES_PER_SLOT, INITIAL_BUCKETS, MAX_LOAD
-from torchrec_kvemb.ssd.store import BOOKKEEPING_BYTES_PER_RECORD
+from torchrec_kvemb.ssd.store import BOOKKEEPING_BYTES_PER_RECORD, MIN_GROWTH
 
-#: Slab records per row the tier may need (see the module docstring).
-SLAB_SLACK = 1.5
+#: Slab records per row the tier may need (see the module docstring): 4/3 of the
+#: rows in use before a growth, times the growth of 1.5.
+SLAB_SLACK = 2.0
 #: Bytes per row of the index file a flush writes (id, score, record; 16 for memory rows).
 INDEX_FILE_BYTES_PER_ROW = 24
 
@@ -78,7 +82,7 @@ def storage_estimate(
         )
     if options.ssd.capacity is not None:
         ssd_rows = min(ssd_rows, options.ssd.capacity)
-    records = math.ceil(SLAB_SLACK * (ssd_rows + 2 * memory_rows))
+    records = math.ceil(SLAB_SLACK * (ssd_rows + 2 * memory_rows)) + MIN_GROWTH
     out.update(
         memory_bytes=memory
         + _index_slots(options, ssd_rows) * INDEX_BYTES_PER_SLOT

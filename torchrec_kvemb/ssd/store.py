@@ -67,6 +67,7 @@ COUNTERS = (
     "ssd_corrupt",
     "ssd_prefetch_hits",
     "ssd_flushes",
+    "scratch_rows",
 )
 
 
@@ -189,6 +190,16 @@ class SSDStore:
     def capacity(self) -> int:
         """Slots of the index (it grows when ``SSDOptions.capacity`` is None)."""
         return self._index.slots
+
+    @property
+    def free_records(self) -> int:
+        """Slab records free to write now (those waiting for a flush not counted)."""
+        return self._free_count
+
+    @property
+    def waiting_records(self) -> int:
+        """Durable records freed since the last flush (reusable after the next one)."""
+        return self._pending
 
     def memory_bytes(self) -> int:
         """Bytes of memory the tier's index and record bookkeeping hold."""
