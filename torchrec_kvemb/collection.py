@@ -7,8 +7,6 @@ Example::
         ...   # sets self._tables (name -> KVTable) and self._device
 """
 
-from __future__ import annotations
-
 import torch
 
 from torchrec_kvemb.state_dict.layout import TableLayout
@@ -17,10 +15,12 @@ from torchrec_kvemb.table import KVTable
 
 class KVTablesMixin:
     """``table``, ``kv_tables``, ``kv_layouts``, ``metrics`` and ``device`` of a module
-    that sets ``_tables`` (its ``KVTable`` s by name) and ``_device``."""
+    that sets ``_tables`` (its ``KVTable`` s by name) and ``_device``.
 
-    _tables: dict[str, KVTable]
-    _device: torch.device
+    No attribute annotations on the class and no postponed annotations in this
+    module: ``torch.jit.script`` of a collection reads the class's attribute
+    annotations (``KVTable`` is no TorchScript type) and compiles the ``device``
+    property, whose return type it must resolve."""
 
     @property
     def device(self) -> torch.device:

@@ -4,7 +4,7 @@ Memory per row of capacity: see ``torchrec_kvemb.memory``. With
 ``options.ssd`` the constructor builds a ``TieredKVTable``
 (``torchrec_kvemb/tiered.py``): the same table over a lower tier on disk.
 
-Why one file of some 540 lines: it is one class, ``KVTable``, whose public
+Why one file of some 550 lines: it is one class, ``KVTable``, whose public
 methods are the table's whole contract (lookups, rows, whole-content loads and
 exports); the index, the tier, the grouped path and the memory arithmetic
 already live in modules of their own.

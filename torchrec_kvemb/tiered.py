@@ -19,6 +19,10 @@ to the SSD tier at the table's next call.
 The two tiers never hold the same id. ``KVTable(..., options)`` with
 ``options.ssd`` builds this class. See docs/ssd-tier.md.
 
+Why one file of some 460 lines: one class, each of whose methods is the
+table's contract over two tiers; the storage (``ssd/``) and the scratch pad
+(``ssd/scratch.py``) already live apart.
+
 Example::
 
     table = KVTable("user", 8, KVTableOptions(capacity=1000, ssd=SSDOptions("/mnt/ssd")))

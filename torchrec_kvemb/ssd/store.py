@@ -23,6 +23,11 @@ records, fsyncs the slab, then writes the index (the SSD rows, the memory
 rows, the table's counters) to ``.index.tmp``, fsyncs it, renames it over
 ``.index`` and fsyncs the directory. Reopening the path loads that index.
 
+Why one file of some 520 lines: one class whose index, slab records and flush
+protocol must stay consistent with each other at every step (the copy-on-write
+rule above); the slab format (``slab.py``) and the index (``slot_index.py``)
+are already modules of their own.
+
 Example::
 
     tier = SSDStore("user", dim=8, state_dim=1, options=SSDOptions("/mnt/ssd"), rank=0)
