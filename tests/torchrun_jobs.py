@@ -30,8 +30,9 @@ import logging
 import os
 import subprocess
 import sys
+import traceback
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,26 @@ def gloo_job() -> Iterator[None]:
     gc.collect()  # why: free the models (they hold the process group) before it goes
     dist.barrier()
     dist.destroy_process_group()
+
+
+def run_scenarios(out_path: str, scenarios: dict[str, Callable[[], dict]]) -> None:
+    """Run every scenario in order on this rank (inside ``gloo_job``); rank 0 writes
+    ``{"world_size", "scenarios": {name: result}}`` to ``out_path``. A scenario that
+    raises is recorded with its traceback, written, and re-raised (the other ranks
+    are stuck in a collective: torchrun then stops them)."""
+    rank = dist.get_rank()
+    results: dict[str, Any] = {"world_size": dist.get_world_size(), "scenarios": {}}
+    for name, run in scenarios.items():
+        try:
+            results["scenarios"][name] = run()
+            gc.collect()  # why: free the scenario's models (they hold the process group)
+        except Exception:
+            results["scenarios"][name] = {"passed": False, "error": traceback.format_exc()}
+            if rank == 0:
+                write_result(out_path, results)
+            raise
+    if rank == 0:
+        write_result(out_path, results)
 
 
 def gather(obj: Any) -> list:

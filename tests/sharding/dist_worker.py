@@ -15,10 +15,8 @@ they pass. The assertions live in the test.
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,7 +32,7 @@ from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
-from tests.torchrun_jobs import Tally, gather, gloo_job, write_result
+from tests.torchrun_jobs import Tally, gather, gloo_job, run_scenarios
 from torchrec_kvemb import (
     EvictionPolicy,
     Initializer,
@@ -462,24 +460,9 @@ SCENARIOS: dict[str, Callable[[], dict]] = {
 
 
 def main() -> None:
-    out_path = sys.argv[1]
     only = sys.argv[2].split(",") if len(sys.argv) > 2 else list(SCENARIOS)
     with gloo_job():
-        rank = dist.get_rank()
-        results = {"world_size": dist.get_world_size(), "scenarios": {}}
-        for name in only:
-            try:
-                results["scenarios"][name] = SCENARIOS[name]()
-                gc.collect()  # why: free the scenario's models (they hold the process group)
-            except Exception:
-                # The other ranks are stuck in a collective: write what there is and
-                # abort (torchrun then stops them).
-                results["scenarios"][name] = {"passed": False, "error": traceback.format_exc()}
-                if rank == 0:
-                    write_result(out_path, results)
-                raise
-        if rank == 0:
-            write_result(out_path, results)
+        run_scenarios(sys.argv[1], {name: SCENARIOS[name] for name in only})
 
 
 if __name__ == "__main__":

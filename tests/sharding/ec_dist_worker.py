@@ -19,10 +19,8 @@ checkpoint to ``DIR/ckpt`` and the reference's tables to ``DIR/expected.pt``;
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
-import traceback
 from collections.abc import Callable
 
 import torch
@@ -35,7 +33,7 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from tests.torchrun_jobs import Tally, gather, gloo_job, write_result
+from tests.torchrun_jobs import Tally, gather, gloo_job, run_scenarios
 from torchrec_kvemb import (
     EvictionPolicy,
     KVEmbeddingCollection,
@@ -326,7 +324,6 @@ SCENARIOS: dict[str, Callable[[], dict]] = {
 
 
 def main() -> None:
-    out_path = sys.argv[1]
     scenarios = dict(SCENARIOS)
     if len(sys.argv) > 2:
         directory, step = sys.argv[2], sys.argv[3]
@@ -335,19 +332,7 @@ def main() -> None:
         else:
             scenarios = {f"load_{s}": load_scenario(directory, s) for s in (RW, TW)}
     with gloo_job():
-        rank = dist.get_rank()
-        results = {"world_size": dist.get_world_size(), "scenarios": {}}
-        for name, run in scenarios.items():
-            try:
-                results["scenarios"][name] = run()
-                gc.collect()  # why: free the scenario's models (they hold the process group)
-            except Exception:
-                results["scenarios"][name] = {"passed": False, "error": traceback.format_exc()}
-                if rank == 0:
-                    write_result(out_path, results)
-                raise
-        if rank == 0:
-            write_result(out_path, results)
+        run_scenarios(sys.argv[1], scenarios)
 
 
 if __name__ == "__main__":

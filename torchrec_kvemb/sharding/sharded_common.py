@@ -17,7 +17,12 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
-from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingEnv
+from torchrec.distributed.types import (
+    EmbeddingModuleShardingPlan,
+    ParameterSharding,
+    QuantizedCommCodecs,
+    ShardingEnv,
+)
 
 from torchrec_kvemb.sharding.fused_optimizer import KVFusedOptimizer
 from torchrec_kvemb.sharding.kv_embedding import KVTableSpecs
@@ -51,7 +56,9 @@ def kv_groups_first(
 class KVShardedMixin:
     """Mixed in before TorchRec's sharded collection (which provides ``_lookups``,
     ``_env`` and ``module_sharding_plan``); the subclass names the lookup type that
-    holds KV tables and the attribute of its table configs, and sets ``_kv_specs``.
+    holds KV tables and the attribute of its table configs, and checks a plan in
+    ``kv_module_to_shard``. It is built as TorchRec's sharded collection, plus
+    ``specs`` (the KV tables' options).
     """
 
     kv_lookup_type: ClassVar[type]
@@ -60,6 +67,37 @@ class KVShardedMixin:
     _lookups: list[nn.Module]
     _env: ShardingEnv
     module_sharding_plan: EmbeddingModuleShardingPlan
+
+    def __init__(
+        self,
+        module: nn.Module,
+        table_name_to_parameter_sharding: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        specs: KVTableSpecs,
+        fused_params: dict[str, Any] | None = None,
+        device: torch.device | None = None,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+        module_fqn: str | None = None,
+    ) -> None:
+        module = self.kv_module_to_shard(module, specs, table_name_to_parameter_sharding)
+        # Read by the sharding factories, which the TorchRec base __init__ calls.
+        self.__dict__["_kv_specs"] = specs
+        super().__init__(  # type: ignore[call-arg]
+            module,
+            table_name_to_parameter_sharding,
+            env,
+            fused_params=fused_params,
+            device=device,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+            module_fqn=module_fqn,
+        )
+
+    def kv_module_to_shard(
+        self, module: nn.Module, specs: KVTableSpecs, plan: dict[str, ParameterSharding]
+    ) -> nn.Module:
+        """Check ``plan`` against the module's tables and ``specs``; the module the
+        TorchRec base shards (a KV module's configuration seen as a stock one's)."""
+        return module
 
     # ------------------------------------------------------------- public
     def kv_tables(self) -> dict[str, KVTable]:

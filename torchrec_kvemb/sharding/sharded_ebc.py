@@ -30,7 +30,6 @@ from torchrec.distributed.types import (
     ShardingType,
 )
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from torchrec_kvemb.ebc import KVEmbeddingBagCollection
 from torchrec_kvemb.sharding.kv_embedding import (
@@ -115,35 +114,17 @@ class ShardedKVEmbeddingBagCollection(KVShardedMixin, ShardedEmbeddingBagCollect
     kv_lookup_type = KVGroupedPooledEmbeddingsLookup
     kv_configs_attribute = "_embedding_bag_configs"
 
-    def __init__(
-        self,
-        module: EmbeddingBagCollection | KVEmbeddingBagCollection,
-        table_name_to_parameter_sharding: dict[str, ParameterSharding],
-        env: ShardingEnv,
-        specs: KVTableSpecs,
-        fused_params: dict[str, Any] | None = None,
-        device: torch.device | None = None,
-        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
-        module_fqn: str | None = None,
-    ) -> None:
-        check_bag_plan(
-            specs.options, module.embedding_bag_configs(), table_name_to_parameter_sharding
-        )
-        # Read by create_grouped_sharding_infos / create_embedding_bag_sharding,
-        # which the base __init__ calls.
-        self.__dict__["_kv_specs"] = specs
-        if isinstance(module, KVEmbeddingBagCollection):
-            module = _KVCollectionView(module)
-        super().__init__(
-            module,
-            table_name_to_parameter_sharding,
-            env,
-            fused_params=fused_params,
-            device=device,
-            qcomm_codecs_registry=qcomm_codecs_registry,
-            module_fqn=module_fqn,
-        )
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._pool_kv_mean_by_sum()
+
+    def kv_module_to_shard(
+        self, module: nn.Module, specs: KVTableSpecs, plan: dict[str, ParameterSharding]
+    ) -> nn.Module:
+        check_bag_plan(specs.options, module.embedding_bag_configs(), plan)
+        if isinstance(module, KVEmbeddingBagCollection):
+            return _KVCollectionView(module)
+        return module
 
     # ------------------------------------------------- base class hooks
     def create_grouped_sharding_infos(

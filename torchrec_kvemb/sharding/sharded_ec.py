@@ -23,7 +23,6 @@ from torchrec.distributed.types import (
     ShardingEnv,
 )
 from torchrec.modules.embedding_configs import EmbeddingConfig
-from torchrec.modules.embedding_modules import EmbeddingCollection
 
 from torchrec_kvemb.ec import KVEmbeddingCollection
 from torchrec_kvemb.sharding.kv_embedding import KVTableSpecs
@@ -97,37 +96,13 @@ class ShardedKVEmbeddingCollection(KVShardedMixin, ShardedEmbeddingCollection):
     kv_lookup_type = KVGroupedEmbeddingsLookup
     kv_configs_attribute = "_embedding_configs"
 
-    def __init__(
-        self,
-        module: EmbeddingCollection | KVEmbeddingCollection,
-        table_name_to_parameter_sharding: dict[str, ParameterSharding],
-        env: ShardingEnv,
-        specs: KVTableSpecs,
-        fused_params: dict[str, Any] | None = None,
-        device: torch.device | None = None,
-        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
-        module_fqn: str | None = None,
-    ) -> None:
-        check_plan(
-            specs.options,
-            module.embedding_configs(),
-            table_name_to_parameter_sharding,
-            list(KV_SEQUENCE_SHARDINGS),
-        )
-        # Read by create_grouped_sharding_infos / create_embedding_sharding, which the
-        # base __init__ calls.
-        self.__dict__["_kv_specs"] = specs
+    def kv_module_to_shard(
+        self, module: nn.Module, specs: KVTableSpecs, plan: dict[str, ParameterSharding]
+    ) -> nn.Module:
+        check_plan(specs.options, module.embedding_configs(), plan, list(KV_SEQUENCE_SHARDINGS))
         if isinstance(module, KVEmbeddingCollection):
-            module = _KVSequenceCollectionView(module)
-        super().__init__(
-            module,
-            table_name_to_parameter_sharding,
-            env,
-            fused_params=fused_params,
-            device=device,
-            qcomm_codecs_registry=qcomm_codecs_registry,
-            module_fqn=module_fqn,
-        )
+            return _KVSequenceCollectionView(module)
+        return module
 
     # ------------------------------------------------- base class hooks
     def create_grouped_sharding_infos(

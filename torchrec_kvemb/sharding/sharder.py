@@ -10,10 +10,8 @@ exactly as the stock sharder would. Planning answers per table
 
 from __future__ import annotations
 
-from torch import nn
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from torchrec_kvemb.ebc import KVEmbeddingBagCollection
@@ -51,10 +49,7 @@ class KVEmbeddingBagCollectionSharder(KVSharderBase, EmbeddingBagCollectionShard
 
     stock_module = EmbeddingBagCollection
     kv_module = KVEmbeddingBagCollection
-
-    @staticmethod
-    def table_configs(module: nn.Module) -> list[EmbeddingBagConfig]:
-        return module.embedding_bag_configs()
+    configs_method = "embedding_bag_configs"
 
     @property
     def sharded_module_type(self) -> type[ShardedKVEmbeddingBagCollection]:
@@ -81,10 +76,7 @@ class KVEmbeddingCollectionSharder(KVSharderBase, EmbeddingCollectionSharder):
 
     stock_module = EmbeddingCollection
     kv_module = KVEmbeddingCollection
-
-    @staticmethod
-    def table_configs(module: nn.Module) -> list[EmbeddingConfig]:
-        return module.embedding_configs()
+    configs_method = "embedding_configs"
 
     @property
     def sharded_module_type(self) -> type[ShardedKVEmbeddingCollection]:

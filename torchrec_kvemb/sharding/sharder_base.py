@@ -54,18 +54,21 @@ class KVSharderBase:
     """Mixed in before a stock TorchRec sharder (bag or sequence collection): KV
     tables by name, planned ``customized_kernel`` row-wise or table-wise.
 
-    Subclasses name their module types (``stock_module``, ``kv_module``), how a
-    module lists its table configs (``table_configs``) and the sharded module
-    they build (``sharded_module_type``).
+    Subclasses name their module types (``stock_module``, ``kv_module``), the
+    method that lists a module's table configs (``configs_method``) and the
+    sharded module they build (``sharded_module_type``).
 
     Example::
 
         class KVEmbeddingBagCollectionSharder(KVSharderBase, EmbeddingBagCollectionSharder):
             stock_module, kv_module = EmbeddingBagCollection, KVEmbeddingBagCollection
+            configs_method = "embedding_bag_configs"
     """
 
     stock_module: type[nn.Module]
     kv_module: type[nn.Module]
+    #: The method that lists a module's table configs (``embedding_bag_configs``, ...).
+    configs_method: str
 
     def __init__(
         self,
@@ -105,10 +108,9 @@ class KVSharderBase:
         #: Set while the planner iterates shardable_parameters(): is its table KV?
         self.planning_kv: bool | None = None
 
-    @staticmethod
-    def table_configs(module: nn.Module) -> list:
-        """The table configs of a module this sharder shards."""
-        raise NotImplementedError
+    def table_configs(self, module: nn.Module) -> list:
+        """The table configs of a module this sharder shards (its ``configs_method``)."""
+        return getattr(module, self.configs_method)()
 
     @property
     def module_type(self) -> type[nn.Module]:
