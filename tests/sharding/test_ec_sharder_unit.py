@@ -53,19 +53,6 @@ def test_sharding_types_and_kernels_are_per_table():
     assert all(KV_COMPUTE_KERNEL not in k for k in answers["stock"][1].values())
 
 
-@pytest.fixture
-def fake_world():
-    """A process group of world size 3 in this process (no communication)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
-    try:
-        yield ShardingEnv.from_process_group(dist.GroupMember.WORLD)
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("sharding_type", [RW, TW])
 def test_sharded_module_holds_kv_shards(fake_world, sharding_type):
     sharder = KVEmbeddingCollectionSharder(OPTIONS, fused_params=ADAGRAD)

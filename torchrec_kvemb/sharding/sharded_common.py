@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -51,6 +52,36 @@ def kv_groups_first(
         if stock_infos:
             stock[sharding_type] = stock_infos
     return {**kv, **stock}
+
+
+class KVModuleView:
+    """What TorchRec's sharded collection reads of the module it shards, for a KV
+    collection: 0-row ``meta`` placeholders (under ``<attribute>.<table>.weight``)
+    where a stock module has weights (a KV table may have ``2**63 - 1`` rows, which
+    no tensor can hold). Subclasses add the module's config accessors.
+
+    Example::
+
+        view = KVModuleView(kv_ebc, "embedding_bags", kv_ebc.embedding_bag_configs())
+        dict(view.named_parameters())   # {"embedding_bags.user.weight": <meta [0, 8]>}
+    """
+
+    device = torch.device("meta")
+
+    def __init__(self, module: nn.Module, attribute: str, configs: list[Any]) -> None:
+        self._module = module
+        self._params = {
+            f"{attribute}.{c.name}.weight": nn.Parameter(
+                torch.empty(0, c.embedding_dim, device="meta"), requires_grad=False
+            )
+            for c in configs
+        }
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return iter(self._params.items())
+
+    def state_dict(self) -> dict[str, nn.Parameter]:
+        return dict(self._params)
 
 
 class KVShardedMixin:

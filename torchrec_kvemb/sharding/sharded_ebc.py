@@ -16,7 +16,7 @@ world size), for KV and stock tables alike.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -38,7 +38,7 @@ from torchrec_kvemb.sharding.kv_embedding import (
 )
 from torchrec_kvemb.sharding.planner import KV_COMPUTE_KERNEL, check_plan
 from torchrec_kvemb.sharding.rw import KVRwPooledEmbeddingSharding
-from torchrec_kvemb.sharding.sharded_common import KVShardedMixin, kv_groups_first
+from torchrec_kvemb.sharding.sharded_common import KVModuleView, KVShardedMixin, kv_groups_first
 from torchrec_kvemb.sharding.tw import KVTwPooledEmbeddingSharding
 from torchrec_kvemb.state_dict.hooks import register_sharded_hooks
 
@@ -62,34 +62,18 @@ def check_bag_plan(
             raise ValueError(f"table {config.name!r}: pooling {config.pooling} not supported")
 
 
-class _KVCollectionView:
-    """What ``ShardedEmbeddingBagCollection.__init__`` reads of the module it shards,
-    for a ``KVEmbeddingBagCollection``: configs, weightedness, and 0-row ``meta``
-    placeholders where a stock EBC has weights (its tables may have ``2**63 - 1``
-    rows, which no tensor can hold)."""
-
-    device = torch.device("meta")
+class _KVCollectionView(KVModuleView):
+    """What ``ShardedEmbeddingBagCollection.__init__`` reads of a
+    ``KVEmbeddingBagCollection``: configs, weightedness, ``meta`` placeholders."""
 
     def __init__(self, module: KVEmbeddingBagCollection) -> None:
-        self._module = module
-        self._params = {
-            f"embedding_bags.{c.name}.weight": nn.Parameter(
-                torch.empty(0, c.embedding_dim, device="meta"), requires_grad=False
-            )
-            for c in module.embedding_bag_configs()
-        }
+        super().__init__(module, "embedding_bags", module.embedding_bag_configs())
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._module.embedding_bag_configs()
 
     def is_weighted(self) -> bool:
         return self._module.is_weighted()
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        return iter(self._params.items())
-
-    def state_dict(self) -> dict[str, nn.Parameter]:
-        return dict(self._params)
 
 
 class ShardedKVEmbeddingBagCollection(KVShardedMixin, ShardedEmbeddingBagCollection):

@@ -10,7 +10,6 @@ options stay stock.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -29,25 +28,21 @@ from torchrec_kvemb.sharding.kv_embedding import KVTableSpecs
 from torchrec_kvemb.sharding.kv_sequence import KVGroupedEmbeddingsLookup
 from torchrec_kvemb.sharding.planner import check_plan
 from torchrec_kvemb.sharding.sequence_shardings import KV_SEQUENCE_SHARDINGS
-from torchrec_kvemb.sharding.sharded_common import KV_GROUP_PREFIX, KVShardedMixin, kv_groups_first
+from torchrec_kvemb.sharding.sharded_common import (
+    KV_GROUP_PREFIX,
+    KVModuleView,
+    KVShardedMixin,
+    kv_groups_first,
+)
 from torchrec_kvemb.state_dict.hooks import register_sharded_hooks
 
 
-class _KVSequenceCollectionView:
-    """What ``ShardedEmbeddingCollection.__init__`` reads of the module it shards, for
-    a ``KVEmbeddingCollection``: its configs and 0-row ``meta`` placeholders where a
-    stock module has weights."""
-
-    device = torch.device("meta")
+class _KVSequenceCollectionView(KVModuleView):
+    """What ``ShardedEmbeddingCollection.__init__`` reads of a ``KVEmbeddingCollection``:
+    its configs and ``meta`` placeholders."""
 
     def __init__(self, module: KVEmbeddingCollection) -> None:
-        self._module = module
-        self._params = {
-            f"embeddings.{c.name}.weight": nn.Parameter(
-                torch.empty(0, c.embedding_dim, device="meta"), requires_grad=False
-            )
-            for c in module.embedding_configs()
-        }
+        super().__init__(module, "embeddings", module.embedding_configs())
 
     def embedding_configs(self) -> list[EmbeddingConfig]:
         return self._module.embedding_configs()
@@ -69,12 +64,6 @@ class _KVSequenceCollectionView:
 
     def use_sorted_select(self) -> bool:
         return False
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        return iter(self._params.items())
-
-    def state_dict(self) -> dict[str, nn.Parameter]:
-        return dict(self._params)
 
 
 class ShardedKVEmbeddingCollection(KVShardedMixin, ShardedEmbeddingCollection):
