@@ -17,7 +17,7 @@ extern "C" {
 
 // Bump on any change of a signature or struct below; native.py refuses a
 // library whose version differs (a stale build).
-#define KV_ABI_VERSION 2
+#define KV_ABI_VERSION 3
 
 enum KvStatus {
   KV_OK = 0,
@@ -164,6 +164,31 @@ typedef struct KvBackwardArgs {
 } KvBackwardArgs;
 
 int kv_fused_backward_group(const KvBackwardArgs* args);
+
+// Find-or-insert of unique ids in one index (ops/insert.py insert_torch):
+// keys and scores updated in place; every id must be >= 0 (checked before
+// anything changes) and appear once.
+typedef struct KvInsertArgs {
+  int64_t* keys;    // [num_buckets, 16], -1: empty way
+  int64_t* scores;  // [num_buckets, 16]
+  int64_t num_buckets;
+  const int64_t* ids;     // [n] unique
+  const int64_t* values;  // [n] score values
+  int64_t n;
+  int64_t accumulate;     // 1: a hit adds its value to its score (LFU)
+  int64_t keep_existing;  // 1: stored entries never lose (NONE)
+  int64_t num_threads;
+  KvWorkspace* workspace;  // or null
+  // Outputs.
+  int64_t* slots;          // [n] slot after the call, -1: no row
+  uint8_t* hit;            // [n] 1: stored before the call
+  uint8_t* inserted;       // [n] 1: got a new row in this call
+  int64_t* evicted_ids;    // [n] (an upper bound), ascending by slot
+  int64_t* evicted_slots;  // [n]
+  int64_t* num_evicted;    // [1]
+} KvInsertArgs;
+
+int kv_insert(const KvInsertArgs* args);
 
 #ifdef __cplusplus
 }

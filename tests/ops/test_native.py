@@ -16,7 +16,6 @@ skip, without it. ``test_fallback_*`` force the unavailable path.
 from __future__ import annotations
 
 import dataclasses
-import platform
 from dataclasses import dataclass
 
 import pytest
@@ -54,21 +53,10 @@ def apply_gradients(table, grad_out, slots, offsets, per_sample_weights, mean) -
     )
 
 
-#: Builds every test runs on: the portable one, and the AVX2 one on x86-64.
-BUILDS = ["portable", "avx2"] if platform.machine().lower() in ("x86_64", "amd64") else ["portable"]
-
-
-@pytest.fixture(autouse=True, params=BUILDS)
-def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run the test on one build of the library (it must be built: no skip)."""
-    assert native.available(), f"native library not built: {native.unavailable_reason()}"
-    lib, reason = native.load_variant(request.param)
-    if request.param == "avx2" and not native.load_variant("portable")[0].kv_cpu_has_avx2():
-        pytest.skip("this CPU has no AVX2")
-    assert lib is not None, f"{request.param} build missing: {reason}"
-    monkeypatch.setattr(native, "_load", lambda: (lib, None))
-    assert native.variant() == request.param
-    return request.param
+@pytest.fixture(autouse=True)
+def build(native_build: str) -> str:
+    """Every test runs on each build of the library (tests/ops/conftest.py)."""
+    return native_build
 
 
 # ------------------------------------------------------------------ harness

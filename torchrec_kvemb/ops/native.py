@@ -42,7 +42,7 @@ from typing import NamedTuple
 import torch
 
 from torchrec_kvemb.backend import backend_setting
-from torchrec_kvemb.contracts import GroupLayout, seed_mix
+from torchrec_kvemb.contracts import GroupLayout, InsertResult, seed_mix
 from torchrec_kvemb.ops.hashing import init_rows
 from torchrec_kvemb.optimizer import FusedOptimConfig, OptimKind
 from torchrec_kvemb.options import WAYS
@@ -51,7 +51,7 @@ from torchrec_kvemb.validation import KVInputError
 #: The shared library's extension name (setup.py builds csrc/ into it).
 LIBRARY = "torchrec_kvemb._kvemb_native"
 #: Must equal KV_ABI_VERSION in csrc/kvemb_native.h.
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 #: Columns of ``TrainLookup.metrics``: the ``KVTable.metrics()`` counters they add to.
 METRIC_NAMES = (
@@ -163,6 +163,29 @@ class _BackwardArgs(ctypes.Structure):
     ]
 
 
+class _InsertArgs(ctypes.Structure):
+    """Mirror of ``KvInsertArgs`` (csrc/kvemb_native.h), field for field."""
+
+    _fields_ = [
+        ("keys", _PTR),
+        ("scores", _PTR),
+        ("num_buckets", _I64),
+        ("ids", _PTR),
+        ("values", _PTR),
+        ("n", _I64),
+        ("accumulate", _I64),
+        ("keep_existing", _I64),
+        ("num_threads", _I64),
+        ("workspace", _PTR),
+        ("slots", _PTR),
+        ("hit", _PTR),
+        ("inserted", _PTR),
+        ("evicted_ids", _PTR),
+        ("evicted_slots", _PTR),
+        ("num_evicted", _PTR),
+    ]
+
+
 #: Builds of the library: ``portable`` (SSE2 on x86-64) everywhere, ``avx2``
 #: beside it on x86-64 (the same sources with -mavx2, same results; setup.py).
 VARIANTS = ("portable", "avx2")
@@ -219,12 +242,14 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
     lib.kv_workspace_bytes.restype = _I64
     lib.kv_lookup_train_group.argtypes = [ctypes.POINTER(_TrainArgs)]
     lib.kv_fused_backward_group.argtypes = [ctypes.POINTER(_BackwardArgs)]
+    lib.kv_insert.argtypes = [ctypes.POINTER(_InsertArgs)]
     for fn in (
         lib.kv_index_bucket,
         lib.kv_init_uniform,
         lib.kv_lookup_eval_group,
         lib.kv_lookup_train_group,
         lib.kv_fused_backward_group,
+        lib.kv_insert,
         lib.kv_cpu_has_avx2,
         lib.kv_build_has_avx2,
     ):
@@ -427,6 +452,48 @@ def lookup_eval_group(
     )
     _check_status(status, "lookup_eval_group")
     return slots, hits
+
+
+def insert(
+    keys: torch.Tensor,
+    scores: torch.Tensor,
+    ids: torch.Tensor,
+    values: torch.Tensor,
+    accumulate: bool,
+    keep_existing: bool,
+    num_threads: int | None = None,
+    workspace: Workspace | None = None,
+) -> InsertResult:
+    """``ops.insert.insert_torch`` natively: find-or-insert of unique ``ids`` (>= 0)
+    with score ``values`` in the index ``keys`` / ``scores``, updated in place.
+    The same slots, hits, insertions and evictions (evictions ascending by slot)."""
+    n = ids.numel()
+    slots = torch.empty(n, dtype=torch.int64)
+    flags = torch.empty(2, n, dtype=torch.uint8)
+    evicted = torch.empty(2, n, dtype=torch.int64)
+    count = torch.zeros(1, dtype=torch.int64)
+    args = _InsertArgs(
+        keys=_tensor(keys, "keys", torch.int64, (-1, WAYS)),
+        scores=_tensor(scores, "scores", torch.int64, tuple(keys.shape)),
+        num_buckets=keys.shape[0],
+        ids=_tensor(ids, "ids", torch.int64, (-1,)),
+        values=_tensor(values, "values", torch.int64, (n,)),
+        n=n,
+        accumulate=int(bool(accumulate)),
+        keep_existing=int(bool(keep_existing)),
+        num_threads=_threads(num_threads),
+        workspace=_workspace_handle(workspace),
+        slots=slots.data_ptr(),
+        hit=flags[0].data_ptr(),
+        inserted=flags[1].data_ptr(),
+        evicted_ids=evicted[0].data_ptr(),
+        evicted_slots=evicted[1].data_ptr(),
+        num_evicted=count.data_ptr(),
+    )
+    _check_status(_lib().kv_insert(ctypes.byref(args)), "insert")
+    e = int(count)
+    flags = flags.view(torch.bool)
+    return InsertResult(slots, flags[0], flags[1], evicted[0, :e], evicted[1, :e])
 
 
 class CounterIndex(NamedTuple):
@@ -714,6 +781,7 @@ __all__ = [
     "fused_backward_group",
     "index_bucket",
     "init_uniform",
+    "insert",
     "library_path",
     "load_variant",
     "lookup_eval_group",

@@ -1,0 +1,131 @@
+"""The native find-or-insert (``native.insert``) against ``insert_torch``, bit for bit.
+
+Every case runs the same unique ids and values through both on copies of one
+index and compares the index arrays, slots, hits, insertions and evictions
+(the native op returns evictions ascending by slot; the torch path's general
+ranker orders them by rank, so evictions are compared as sets of (id, slot)).
+Indexes use odd bucket counts, half-full to full buckets, scores with ties.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchrec_kvemb import dispatch
+from torchrec_kvemb.ops import native
+from torchrec_kvemb.ops.hashing import index_bucket
+from torchrec_kvemb.ops.insert import insert_torch
+from torchrec_kvemb.options import WAYS
+from torchrec_kvemb.validation import KVInputError
+
+MODES = {
+    "assign": (False, False),
+    "accumulate": (True, False),
+    "keep-existing": (False, True),
+    "accumulate-keep-existing": (True, True),
+}
+
+
+@pytest.fixture(autouse=True)
+def build(native_build: str) -> str:
+    return native_build
+
+
+def random_index(num_buckets: int, fill: float, gen: torch.Generator, pool: int):
+    """An index whose buckets hold ids of ``[0, pool)`` that hash to them."""
+    keys = torch.full((num_buckets, WAYS), -1, dtype=torch.int64)
+    scores = torch.zeros_like(keys)
+    ids = torch.randperm(pool, generator=gen)
+    home = index_bucket(ids, num_buckets)
+    for b in range(num_buckets):
+        mine = ids[home == b][:WAYS]
+        k = min(mine.numel(), int(torch.binomial(torch.tensor(float(WAYS)), torch.tensor(fill))))
+        ways = torch.randperm(WAYS, generator=gen)[:k]
+        keys[b, ways] = mine[:k]
+        scores[b, ways] = torch.randint(0, 5, (k,), generator=gen)
+    return keys, scores
+
+
+def assert_same(keys, scores, ids, values, accumulate, keep_existing, at=""):
+    want_keys, want_scores = keys.clone(), scores.clone()
+    want = insert_torch(want_keys, want_scores, ids, values, accumulate, keep_existing)
+    got = native.insert(keys, scores, ids, values, accumulate, keep_existing)
+    assert torch.equal(keys, want_keys) and torch.equal(scores, want_scores), at
+    assert torch.equal(got.slots, want.slots), at
+    assert torch.equal(got.hit, want.hit), at
+    assert torch.equal(got.inserted, want.inserted), at
+    assert torch.equal(got.evicted_slots, torch.sort(got.evicted_slots).values), at
+    pairs = lambda r: sorted(zip(r.evicted_slots.tolist(), r.evicted_ids.tolist()))  # noqa: E731
+    assert pairs(got) == pairs(want), at
+    return got
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("num_buckets", [1, 3, 37])
+def test_matches_insert_torch_under_churn(mode: str, num_buckets: int) -> None:
+    """Rounds of batches over one index: half new ids, some stored, tied values."""
+    accumulate, keep_existing = MODES[mode]
+    gen = torch.Generator().manual_seed(num_buckets)
+    pool = 40 * num_buckets * WAYS // 16 + 50
+    keys, scores = random_index(num_buckets, 0.7, gen, pool)
+    for step in range(25):
+        n = int(torch.randint(0, 3 * num_buckets * WAYS // 2 + 2, (1,), generator=gen))
+        ids = torch.randperm(pool, generator=gen)[:n]
+        values = torch.randint(0, 6, (ids.numel(),), generator=gen)
+        assert_same(keys, scores, ids, values, accumulate, keep_existing, f"step {step}")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_more_than_32_new_ids_in_one_bucket(mode: str) -> None:
+    """A bucket with 45 new ids (the torch path's sorting ranker) against a full one."""
+    accumulate, keep_existing = MODES[mode]
+    gen = torch.Generator().manual_seed(3)
+    keys, scores = random_index(1, 1.0, gen, 200)
+    stored = keys[0][keys[0] >= 0]
+    new = torch.tensor([i for i in range(200, 400) if i not in stored.tolist()][:45])
+    ids = torch.cat([stored[:5], new])
+    values = torch.randint(0, 4, (ids.numel(),), generator=gen)
+    got = assert_same(keys, scores, ids, values, accumulate, keep_existing)
+    assert int(got.inserted.sum()) > 0 or keep_existing
+
+
+def test_every_id_of_a_big_batch_matches_across_threads() -> None:
+    """327 buckets (several parts), 6k ids: 1 and 3 threads give the same bits."""
+    gen = torch.Generator().manual_seed(5)
+    keys, scores = random_index(2_051, 0.9, gen, 60_000)
+    ids = torch.randperm(60_000, generator=gen)[:6_007]
+    values = torch.randint(0, 9, ids.shape, generator=gen)
+    k1, s1 = keys.clone(), scores.clone()
+    one = native.insert(k1, s1, ids, values, False, False, num_threads=1)
+    three = native.insert(keys, scores, ids, values, False, False, num_threads=3)
+    assert torch.equal(k1, keys) and torch.equal(s1, scores)
+    for a, b in zip(one, three):
+        assert torch.equal(a, b)
+
+
+def test_empty_batch_changes_nothing() -> None:
+    keys, scores = random_index(5, 0.5, torch.Generator().manual_seed(0), 300)
+    before = keys.clone(), scores.clone()
+    got = native.insert(keys, scores, torch.empty(0, dtype=torch.int64),
+                        torch.empty(0, dtype=torch.int64), False, False)  # fmt: skip
+    assert got.slots.numel() == 0 and got.evicted_ids.numel() == 0
+    assert torch.equal(keys, before[0]) and torch.equal(scores, before[1])
+
+
+def test_negative_id_is_refused_and_nothing_changes() -> None:
+    keys, scores = random_index(7, 0.9, torch.Generator().manual_seed(1), 500)
+    before = keys.clone(), scores.clone()
+    ids = torch.tensor([600, 601, -3, 602])
+    with pytest.raises(KVInputError, match="ids must be >= 0"):
+        native.insert(keys, scores, ids, torch.ones_like(ids), False, False)
+    assert torch.equal(keys, before[0]) and torch.equal(scores, before[1])
+
+
+def test_dispatch_takes_the_native_op_for_a_cpu_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = native.insert
+    monkeypatch.setattr(native, "insert", lambda *a, **k: calls.append(1) or real(*a, **k))
+    keys, scores = random_index(3, 0.5, torch.Generator().manual_seed(2), 100)
+    dispatch.insert(keys, scores, torch.tensor([101, 102]), torch.tensor([1, 1]), False, False)
+    assert calls == [1]
