@@ -24,10 +24,11 @@ from torchrec_kvemb.contracts import (
     GroupLayout,
     GroupLookup,
     GroupOptimizer,
+    InitSpec,
     InsertResult,
     TableStorage,
 )
-from torchrec_kvemb.ops import native
+from torchrec_kvemb.ops import hashing, native
 from torchrec_kvemb.ops.block_bucketize import (
     IntsLike,
     bucketize_prepared_fbgemm,
@@ -64,6 +65,27 @@ def probe(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         table = torch.zeros(ids.numel(), dtype=torch.int64)
         return native.lookup_eval_group(keys, one.new_zeros(1), one, ids, table)[0]
     return probe_torch(keys, ids)
+
+
+def index_bucket(ids: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """The index bucket of each id (``ops.hashing.index_bucket``)."""
+    if native.use_native(ids.device) and ids.dtype == torch.int64 and ids.dim() == 1:
+        # why native: one pass instead of ~12 int64 tensor ops (~0.3 ms per 20k ids).
+        return native.index_bucket(ids.contiguous(), num_buckets)
+    return hashing.index_bucket(ids, num_buckets)
+
+
+def init_rows(ids: torch.Tensor, dim: int, spec: InitSpec) -> torch.Tensor:
+    """Initial rows ``[len(ids), dim]`` of ``ids`` by ``spec`` (``ops.hashing.init_rows``)."""
+    if (
+        not spec.normal
+        and native.use_native(ids.device)
+        and ids.dtype == torch.int64
+        and ids.dim() == 1
+    ):
+        # why native: the same bits without the [n, dim] int64 temporaries (~4x faster).
+        return native.init_uniform(ids.contiguous(), dim, spec.seed, spec.a, spec.b)
+    return hashing.init_rows(ids, dim, spec.seed, spec.normal, spec.a, spec.b)
 
 
 def insert(

@@ -17,10 +17,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from torchrec_kvemb import dispatch
 from torchrec_kvemb.contracts import InitSpec, InsertResult, TableStorage, init_spec, seed_mix
 from torchrec_kvemb.index import BucketIndex
 from torchrec_kvemb.memory import bytes_per_row, resolve_capacity, table_memory
-from torchrec_kvemb.ops.hashing import init_rows, route_bucket
+from torchrec_kvemb.ops.hashing import route_bucket
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import EvictionPolicy, KVTableOptions
 from torchrec_kvemb.ssd.store import COUNTERS as SSD_COUNTERS
@@ -187,8 +188,7 @@ class KVTable:
 
     def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows ``ids`` get when they are first stored."""
-        spec = self.init_spec
-        return init_rows(ids, self.dim, spec.seed, spec.normal, spec.a, spec.b)
+        return dispatch.init_rows(ids, self.dim, self.init_spec)
 
     # ------------------------------------------------------------- optimizer
     @property
