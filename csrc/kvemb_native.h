@@ -190,6 +190,17 @@ typedef struct KvInsertArgs {
 
 int kv_insert(const KvInsertArgs* args);
 
+// Checksums [k] of slab records block [k, words] (ssd/slab.py checksum).
+int kv_record_checksum(const int64_t* block, int64_t k, int64_t words, int64_t num_threads,
+                       int64_t* out);
+
+// Encodes k records (ids, scores, float32 rows [k, width], checksums) into
+// slab [slab_records, words] at the distinct indices records[k]; refuses
+// (nothing written) an index outside the slab.
+int kv_write_records(int64_t* slab, int64_t slab_records, int64_t words, const int64_t* records,
+                     int64_t k, const int64_t* ids, const int64_t* scores, const float* rows,
+                     int64_t width, int64_t num_threads);
+
 #ifdef __cplusplus
 }
 #endif

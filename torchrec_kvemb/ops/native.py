@@ -243,6 +243,8 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
     lib.kv_lookup_train_group.argtypes = [ctypes.POINTER(_TrainArgs)]
     lib.kv_fused_backward_group.argtypes = [ctypes.POINTER(_BackwardArgs)]
     lib.kv_insert.argtypes = [ctypes.POINTER(_InsertArgs)]
+    lib.kv_record_checksum.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
+    lib.kv_write_records.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64]
     for fn in (
         lib.kv_index_bucket,
         lib.kv_init_uniform,
@@ -250,6 +252,8 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
         lib.kv_lookup_train_group,
         lib.kv_fused_backward_group,
         lib.kv_insert,
+        lib.kv_record_checksum,
+        lib.kv_write_records,
         lib.kv_cpu_has_avx2,
         lib.kv_build_has_avx2,
     ):
@@ -494,6 +498,48 @@ def insert(
     e = int(count)
     flags = flags.view(torch.bool)
     return InsertResult(slots, flags[0], flags[1], evicted[0, :e], evicted[1, :e])
+
+
+# ------------------------------------------------------------ slab records
+def record_checksum(block: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
+    """Checksums ``[k]`` of slab records ``block [k, words]`` (``ssd.slab.checksum``)."""
+    out = torch.empty(block.shape[0], dtype=torch.int64)
+    status = _lib().kv_record_checksum(
+        _tensor(block, "block", torch.int64, (-1, -1)),
+        block.shape[0],
+        block.shape[1],
+        _threads(num_threads),
+        out.data_ptr(),
+    )
+    _check_status(status, "record_checksum")
+    return out
+
+
+def write_records(
+    slab: torch.Tensor,
+    records: torch.Tensor,
+    ids: torch.Tensor,
+    scores: torch.Tensor,
+    rows: torch.Tensor,
+    num_threads: int | None = None,
+) -> None:
+    """Encode records of ``ids``, ``scores`` and float32 ``rows [k, width]`` (with their
+    checksums) into ``slab [records, words]`` at the distinct ``records``: what
+    ``slab.index_copy_(0, records, Slab.encode(ids, scores, rows))`` writes."""
+    k = records.numel()
+    status = _lib().kv_write_records(
+        _tensor(slab, "slab", torch.int64, (-1, -1)),
+        slab.shape[0],
+        slab.shape[1],
+        _tensor(records, "records", torch.int64, (k,)),
+        k,
+        _tensor(ids, "ids", torch.int64, (k,)),
+        _tensor(scores, "scores", torch.int64, (k,)),
+        _tensor(rows, "rows", torch.float32, (k, -1)),
+        rows.shape[1],
+        _threads(num_threads),
+    )
+    _check_status(status, "write_records")
 
 
 class CounterIndex(NamedTuple):
@@ -786,9 +832,11 @@ __all__ = [
     "load_variant",
     "lookup_eval_group",
     "lookup_train_group",
+    "record_checksum",
     "unavailable_reason",
     "use_native",
     "variant",
+    "write_records",
 ]
 
 

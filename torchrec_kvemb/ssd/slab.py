@@ -42,6 +42,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from torchrec_kvemb.ops import native
+
 MAGIC = b"KVSLAB01"
 HEADER_BYTES = 4096
 #: Words before the row's floats: id, score, checksum.
@@ -135,6 +137,14 @@ def checksum(block: np.ndarray) -> np.ndarray:
         np.bitwise_xor(xv, tv, out=xv)
         xv.sum(axis=1, out=out[lo : lo + n])
     return out.view(np.int64)
+
+
+def checksums(block: torch.Tensor) -> torch.Tensor:
+    """``checksum`` of records ``block [k, words]`` (int64 tensor), by the native
+    kernel where it runs (the same bits)."""
+    if native.use_native("cpu") and block.is_contiguous():
+        return native.record_checksum(block)
+    return torch.from_numpy(checksum(block.numpy()))
 
 
 class _Files:
@@ -314,7 +324,19 @@ class Slab:
         self, records: torch.Tensor, ids: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor
     ) -> None:
         """Write ``rows [k, dim + state_dim]`` of ``ids`` to ``records`` (distinct)."""
-        if records.numel():
+        if records.numel() == 0:
+            return
+        if native.use_native("cpu") and rows.dtype == torch.float32:
+            # why native: encoded in place, one pass (no [k, words] block, no numpy
+            # checksum): ~4x less time for the SSD-tier benchmark's demotions.
+            native.write_records(
+                self.view(),
+                records.contiguous(),
+                ids.contiguous(),
+                scores.contiguous(),
+                rows.contiguous(),
+            )
+        else:
             self.view().index_copy_(0, records, self.encode(ids, scores, rows))
 
     def encode(self, ids: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -326,7 +348,7 @@ class Slab:
         floats = block[:, HEAD_WORDS:].view(torch.float32)
         floats[:, :width] = rows
         floats[:, width:] = 0.0
-        block[:, CHECKSUM_WORD] = torch.from_numpy(checksum(block.numpy()))
+        block[:, CHECKSUM_WORD] = checksums(block)
         return block
 
     def verify(self, block: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -334,7 +356,7 @@ class Slab:
         their checksums match (a torn or corrupted record fails)."""
         ok = block[:, 0] == ids
         if block.shape[0]:
-            ok &= block[:, CHECKSUM_WORD] == torch.from_numpy(checksum(block.numpy()))
+            ok &= block[:, CHECKSUM_WORD] == checksums(block)
         return ok
 
     def decode(
