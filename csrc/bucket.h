@@ -70,7 +70,8 @@ struct Placement {
   std::vector<int8_t> way;  // per new id in rank order: its way, or -1
   int n_evicted = 0;
   int64_t evicted_id[kWays];
-  int evicted_way[kWays];  // ascending
+  int64_t evicted_score[kWays];  // before the call
+  int evicted_way[kWays];        // ascending
 };
 
 // Rank order of new ids among themselves: score desc, then id asc.
@@ -140,6 +141,7 @@ inline void place_new(int64_t* keys, int64_t* scores, uint32_t protected_mask, b
   for (uint32_t m = freed; m; m &= m - 1) {
     const int w = lowest_way(m);
     out->evicted_id[out->n_evicted] = keys[w];
+    out->evicted_score[out->n_evicted] = scores[w];
     out->evicted_way[out->n_evicted++] = w;
   }
   uint32_t free_ways = empty | freed;

@@ -121,7 +121,28 @@ typedef struct KvTrainArgs {
   int64_t* evicted_slots;   // [E]
   int64_t* metrics;         // [T, KV_NUM_METRICS] deltas (overwritten)
   int64_t* sizes;           // [2]: U, E
+  // A lower tier under a group of one table (TieredKVTable.lookup_train); all
+  // optional. promote_ids: the batch's ids the tier holds (not in memory),
+  // ascending, with their memory scores. Such an id competes as a stored one
+  // (never counted for admission) that outranks every unprotected entry, is
+  // not counted as an insert, and its slot takes the score it would have kept
+  // (LFU: batch count + promote score). With a null state (and weights), the
+  // call writes no rows: the caller moves evicted rows out, then writes the
+  // promoted and new rows.
+  const int64_t* promote_ids;     // [P] ascending
+  const int64_t* promote_scores;  // [P]
+  int64_t num_promote;
+  uint8_t* unique_flags;    // [U] KvUniqueFlag bits, or null
+  int64_t* unique_scores;   // [U] the score the id holds (or would: no row), or null
+  int64_t* evicted_scores;  // [E] the evicted entries' scores, or null
 } KvTrainArgs;
+
+// Bits of KvTrainArgs.unique_flags.
+enum KvUniqueFlag {
+  KV_UNIQUE_INSERTED = 1,  // a new row in this call
+  KV_UNIQUE_PROMOTED = 2,  // one of promote_ids
+  KV_UNIQUE_NO_ROOM = 4,   // a candidate (stored, promoted or admitted) without a memory row
+};
 
 int kv_lookup_train_group(const KvTrainArgs* args);
 

@@ -28,7 +28,12 @@
 namespace kvemb {
 namespace {
 
-enum : uint8_t { kInserted = 1, kAdmitted = 2 };
+enum : uint8_t {
+  kInserted = KV_UNIQUE_INSERTED,
+  kPromoted = KV_UNIQUE_PROMOTED,
+  kNoRoom = KV_UNIQUE_NO_ROOM,
+  kAdmitted = 8,
+};
 
 // Which table owns a bucket: tables own disjoint bucket ranges of an index
 // (why not the occurrence's table_idx: a random read per bucket cost more
@@ -162,6 +167,13 @@ class TrainLookup {
       }
     }
     if (!owner_.finish() || !counter_owner_.finish()) return KV_BAD_ARGUMENT;
+    if (a_.num_promote < 0 || (a_.num_promote > 0 && (T != 1 || !a_.promote_ids ||
+                                                     !a_.promote_scores))) {
+      return KV_BAD_ARGUMENT;
+    }
+    for (int64_t p = 1; p < a_.num_promote; ++p) {
+      if (a_.promote_ids[p] <= a_.promote_ids[p - 1]) return KV_BAD_ARGUMENT;
+    }
     workers_.resize(static_cast<size_t>(threads_));
     for (Worker& w : workers_) w.metrics.assign(static_cast<size_t>(T * KV_NUM_METRICS), 0);
     return KV_OK;
@@ -201,11 +213,13 @@ class TrainLookup {
     u_table_ = arena_.take<int64_t>(total);
     u_count_ = arena_.take<int64_t>(total);
     u_value_ = arena_.take<int64_t>(total);
+    u_final_ = arena_.take<int64_t>(total);
     u_slot_ = arena_.take<int64_t>(total);
     u_way_ = arena_.take<int8_t>(total);
     u_flags_ = arena_.take<uint8_t>(total);
     e_id_ = arena_.take<int64_t>(total);
     e_slot_ = arena_.take<int64_t>(total);
+    e_score_ = arena_.take<int64_t>(total);
     n_unique_.assign(static_cast<size_t>(parts), 0);
     n_evicted_.assign(static_cast<size_t>(parts), 0);
     n_evicted_collect_.assign(static_cast<size_t>(parts), 0);
@@ -239,8 +253,22 @@ class TrainLookup {
     u_table_[pos] = t;
     u_count_[pos] = count;
     u_value_[pos] = tables_[t].value(count, top);
+    u_final_[pos] = u_value_[pos];
     u_way_[pos] = static_cast<int8_t>(way);
     u_flags_[pos] = 0;
+  }
+
+  // A new unique at ``pos`` the lower tier holds: it competes as a stored id
+  // that outranks every unprotected entry, and keeps its tier score.
+  void mark_promoted(int64_t pos) {
+    const int64_t* end = a_.promote_ids + a_.num_promote;
+    const int64_t* at = std::lower_bound(a_.promote_ids, end, u_id_[pos]);
+    if (at == end || *at != u_id_[pos]) return;
+    const TableInfo& tab = tables_[u_table_[pos]];
+    const int64_t tier_score = a_.promote_scores[at - a_.promote_ids];
+    u_final_[pos] = tab.accumulate ? wrap_add(u_count_[pos], tier_score) : u_value_[pos];
+    u_value_[pos] = std::numeric_limits<int64_t>::max();
+    u_flags_[pos] = kPromoted | kAdmitted;
   }
 
   // Occurrences at positions [k0, k1) of the order, all in ``bucket``.
@@ -300,8 +328,10 @@ class TrainLookup {
           }
           tag_[misses[j].second] = n_unique;
         }
-        add_unique(base + n_unique++, misses[g].first, bucket, t, static_cast<int64_t>(g1 - g),
+        add_unique(base + n_unique, misses[g].first, bucket, t, static_cast<int64_t>(g1 - g),
                    top_score, -1);
+        if (a_.num_promote) mark_promoted(base + n_unique);
+        ++n_unique;
         g = g1;
       }
     }
@@ -318,7 +348,7 @@ class TrainLookup {
       const int64_t base = occ_.part_start[p], used = base + n_unique_[p];
       for (int64_t pos = base; pos < occ_.part_start[p + 1]; ++pos) {
         counter_bucket[pos] = -1;
-        if (pos >= used || u_way_[pos] >= 0) continue;
+        if (pos >= used || u_way_[pos] >= 0 || (u_flags_[pos] & kPromoted)) continue;
         const TableInfo& tab = tables_[u_table_[pos]];
         if (tab.admission) {
           counter_bucket[pos] = tab.counter_offset + index_bucket(u_id_[pos], tab.counter_mod);
@@ -419,6 +449,7 @@ class TrainLookup {
       if (way >= 0) {
         hit_mask |= 1u << way;
         scores[way] = tab.accumulate ? wrap_add(scores[way], u_value_[u]) : u_value_[u];
+        u_final_[u] = scores[way];
         u_slot_[u] = bucket * kWays + way;
         metrics[KV_HITS] += u_count_[u];
         continue;
@@ -441,10 +472,15 @@ class TrainLookup {
       const int way = placed.way[r];
       if (way < 0) {
         u_slot_[u] = -1;
+        u_flags_[u] |= kNoRoom;
         ++metrics[KV_INSERT_FAILURES];
         continue;
       }
       u_slot_[u] = bucket * kWays + way;
+      if (u_flags_[u] & kPromoted) {
+        scores[way] = u_final_[u];
+        continue;
+      }
       u_flags_[u] |= kInserted;
       ++metrics[KV_INSERTS];
     }
@@ -452,6 +488,7 @@ class TrainLookup {
     for (int e = 0; e < placed.n_evicted; ++e) {
       e_id_[at + e] = placed.evicted_id[e];
       e_slot_[at + e] = bucket * kWays + placed.evicted_way[e];
+      e_score_[at + e] = placed.evicted_score[e];
     }
     n_evicted_[p] += placed.n_evicted;
     metrics[KV_EVICTIONS] += placed.n_evicted;
@@ -464,6 +501,7 @@ class TrainLookup {
   // cache misses stalled the insert; here rows are prefetched a few ahead).
   void write_new_rows(int64_t u0, int64_t u1) {
     const int64_t dim = a_.dim, state_dim = a_.state_dim;
+    if (!a_.weights && !a_.state) return;  // the caller writes every row
     constexpr int64_t kAhead = 4;
     for (int64_t u = u0; u < u1; ++u) {
       if (a_.weights && u + kAhead < u1 && (u_flags_[u + kAhead] & kInserted)) {
@@ -471,13 +509,15 @@ class TrainLookup {
         for (int64_t b = 0; b < dim * 4; b += 64) {
           __builtin_prefetch(reinterpret_cast<const char*>(a_.weights + ahead * dim) + b, 1);
         }
-        if (state_dim) __builtin_prefetch(a_.state + ahead * state_dim, 1);
+        if (state_dim && a_.state) __builtin_prefetch(a_.state + ahead * state_dim, 1);
       }
       if (!(u_flags_[u] & kInserted)) continue;
       const int64_t slot = u_slot_[u];
       const TableInfo& tab = tables_[u_table_[u]];
       if (tab.init_native && a_.weights) tab.init.fill(a_.weights + slot * dim, dim, u_id_[u]);
-      if (state_dim) std::memset(a_.state + slot * state_dim, 0, sizeof(float) * state_dim);
+      if (state_dim && a_.state) {
+        std::memset(a_.state + slot * state_dim, 0, sizeof(float) * state_dim);
+      }
     }
   }
 
@@ -497,6 +537,8 @@ class TrainLookup {
         a_.unique_slots[out] = u_slot_[base + j];
         a_.unique_table[out] = u_table_[base + j];
         a_.unique_inserted[out] = u_flags_[base + j] & kInserted;
+        if (a_.unique_flags) a_.unique_flags[out] = u_flags_[base + j] & ~kAdmitted;
+        if (a_.unique_scores) a_.unique_scores[out] = u_final_[base + j];
       }
       // Both phases' evictions are ascending by slot: merge them.
       int64_t i = base, i_end = base + n_evicted_collect_[p];
@@ -506,6 +548,7 @@ class TrainLookup {
         const int64_t from = first ? i++ : j++;
         a_.evicted_ids[out] = e_id_[from];
         a_.evicted_slots[out] = e_slot_[from];
+        if (a_.evicted_scores) a_.evicted_scores[out] = e_score_[from];
       }
       for (int64_t k = base; k < occ_.part_start[p + 1]; ++k) {
         const int64_t i_occ = occ_.items[k].index, local = tag_[k];
@@ -532,12 +575,13 @@ class TrainLookup {
   // Uniques of part p at [occ_.part_start[p], + n_unique_[p]).
   int64_t *u_id_ = nullptr, *u_bucket_ = nullptr, *u_table_ = nullptr;
   int64_t *u_count_ = nullptr, *u_value_ = nullptr, *u_slot_ = nullptr;
+  int64_t* u_final_ = nullptr;  // the score the unique's slot ends with (or would)
   int8_t* u_way_ = nullptr;  // the stored way before the call, -1: new
   uint8_t* u_flags_ = nullptr;
   std::vector<int64_t> n_unique_;
   // Evictions of part p at [occ_.part_start[p], + n_evicted_[p]): the
   // collect phase's first (n_evicted_collect_), then the settle phase's.
-  int64_t *e_id_ = nullptr, *e_slot_ = nullptr;
+  int64_t *e_id_ = nullptr, *e_slot_ = nullptr, *e_score_ = nullptr;
   std::vector<int64_t> n_evicted_, n_evicted_collect_;
   std::vector<Worker> workers_;
 };

@@ -33,6 +33,9 @@ from __future__ import annotations
 
 import torch
 
+from torchrec_kvemb import dispatch
+from torchrec_kvemb.contracts import GroupLayout
+from torchrec_kvemb.ops import native
 from torchrec_kvemb.ops.hashing import INT64_MAX, route_bucket
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import WAYS, EvictionPolicy, KVTableOptions
@@ -72,6 +75,8 @@ class TieredKVTable(KVTable, serves_ssd=True):
             )
         rank = default_rank() if rank is None else rank
         self._pad = ScratchPad(self.weights, self.state)
+        self._layout: GroupLayout | None = None
+        self._workspace: native.Workspace | None = None
         self._store = SSDStore(name, dim, self.state_dim, ssd, rank)
         try:
             self._restore()
@@ -130,7 +135,11 @@ class TieredKVTable(KVTable, serves_ssd=True):
     ) -> torch.Tensor:
         """``KVTable.lookup_train`` over both tiers: an SSD id competes for a memory row
         as a stored id would and comes back with its row, state and score. An id with
-        a row, or new and admitted, that finds no memory row gets a scratch row."""
+        a row, or new and admitted, that finds no memory row gets a scratch row.
+        On the CPU with the native kernels: one find-or-insert pass for the whole
+        batch (``_lookup_train_native``), the same outcome."""
+        if native.use_native(ids.device) and ids.dtype == torch.int64:
+            return self._lookup_train_native(ids, custom_scores)
         self._settle()
         uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
         mem_slots = self.index.probe(uniq)
@@ -169,6 +178,77 @@ class TieredKVTable(KVTable, serves_ssd=True):
             slots_u[pad] = self._pad.write(rows, uniq[pad], scores)
             self._store.counters["scratch_rows"] += pad.numel()
         return slots_u[inverse]
+
+    def _lookup_train_native(
+        self, ids: torch.Tensor, custom_scores: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``lookup_train`` by the native group kernel: the batch's ids the SSD tier
+        holds go in as promotions (``native.TierPromotion``); the kernel writes no row,
+        so evicted rows are demoted before promoted and new rows take their slots."""
+        self._settle()
+        ids = ids.contiguous()
+        miss_ids = torch.unique(ids[dispatch.probe(self.index.keys, ids) < 0])
+        found, ssd_slots, ssd_scores, ssd_rows = self._fetch(
+            miss_ids, torch.arange(miss_ids.numel())
+        )
+        self._reserve(miss_ids.numel())  # every eviction makes room for a missed id
+        self.step += 1
+        counter = None
+        if self.counter is not None:
+            counter = native.CounterIndex(self.counter.keys, self.counter.scores, self.counts)
+        out = native.lookup_train_group(
+            self._native_layout(),
+            self.index.keys,
+            self.index.scores,
+            self.weights,
+            self.state,
+            ids,
+            torch.zeros_like(ids),
+            [self.step],
+            custom_scores,
+            None if custom_scores is None else [True],
+            counter,
+            workspace=self._workspace,
+            tier=native.TierPromotion(miss_ids[found], ssd_scores),
+        )
+        for name, value in zip(native.METRIC_NAMES, out.metrics[0].tolist(), strict=True):
+            self.count(name, value)
+        flags = out.unique_flags
+        promoted_occ = int((flags[out.unique_index] & native.UNIQUE_PROMOTED).count_nonzero())
+        self.count("ssd_hits", promoted_occ)
+        self.count("ssd_misses", int(out.metrics[0, 1]) - promoted_occ)
+        self._store.remove(ssd_slots)  # every promotion leaves the tier: memory or scratch
+        self._demote(out.evicted_ids, out.evicted_slots, out.evicted_scores)
+        from_ssd = (flags & native.UNIQUE_PROMOTED) != 0
+        moved = (from_ssd & (out.unique_slots >= 0)).nonzero().squeeze(1)
+        at = torch.searchsorted(miss_ids[found], out.unique_ids[moved])
+        self.set_rows(out.unique_slots[moved], ssd_rows[at])
+        self.count("promotions", moved.numel())
+        new = (flags & native.UNIQUE_INSERTED).nonzero().squeeze(1)
+        self.init_rows_at(out.unique_slots[new], out.unique_ids[new])
+        pad = ((flags & native.UNIQUE_NO_ROOM) != 0).nonzero().squeeze(1)
+        if pad.numel() == 0:
+            return out.slots
+        pad = pad[torch.argsort(out.unique_ids[pad])]  # the pad holds its ids sorted
+        pad_ids = out.unique_ids[pad]
+        state = torch.zeros(pad.numel(), self.state_dim)
+        rows = torch.cat([self.initial_rows(pad_ids), state], dim=1)
+        back = from_ssd[pad].nonzero().squeeze(1)
+        rows[back] = ssd_rows[torch.searchsorted(miss_ids[found], pad_ids[back])].to(rows.dtype)
+        slots_u = out.unique_slots.clone()
+        slots_u[pad] = self._pad.write(rows, pad_ids, out.unique_scores[pad])
+        self._store.counters["scratch_rows"] += pad.numel()
+        return slots_u[out.unique_index]
+
+    def _native_layout(self) -> GroupLayout:
+        """This table as a group of one for the native kernel (built once)."""
+        if self._layout is None:
+            counted = self.counts.numel() if self.counts is not None else 0
+            self._layout = GroupLayout.build(
+                [self.capacity // WAYS], [counted // WAYS], [self.options]
+            )
+            self._workspace = native.Workspace()
+        return self._layout
 
     def lookup_eval(self, ids: torch.Tensor) -> torch.Tensor:
         """``KVTable.lookup_eval`` over both tiers: ids held by the SSD tier are promoted
@@ -423,15 +503,19 @@ class TieredKVTable(KVTable, serves_ssd=True):
         self,
         evicted_ids: torch.Tensor,
         evicted_slots: torch.Tensor,
-        before: tuple[torch.Tensor, torch.Tensor],
+        before: tuple[torch.Tensor, torch.Tensor] | torch.Tensor,
     ) -> None:
         """Write the rows evicted from memory to the SSD tier (call before their
-        slots are refilled)."""
+        slots are refilled). ``before``: their scores, or the scores of their
+        buckets before the insert (``_scores_before``)."""
         if evicted_ids.numel() == 0:
             return
-        buckets, scores = before
-        row = torch.searchsorted(buckets, evicted_slots // WAYS)
-        memory_scores = scores[row, evicted_slots % WAYS].cpu()
+        if isinstance(before, torch.Tensor):
+            memory_scores = before.cpu()
+        else:
+            buckets, scores = before
+            row = torch.searchsorted(buckets, evicted_slots // WAYS)
+            memory_scores = scores[row, evicted_slots % WAYS].cpu()
         rows = self.rows_at(evicted_slots)
         self._store.put(
             evicted_ids.cpu(), memory_scores, self._ssd_scores(memory_scores), rows.cpu()

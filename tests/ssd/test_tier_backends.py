@@ -52,6 +52,14 @@ def _batches() -> list[KeyedJaggedTensor]:
 def _run(backend: str, case: str, path, monkeypatch: pytest.MonkeyPatch):
     policy, ssd_capacity, threshold = CASES[case]
     monkeypatch.setenv(ENV_VAR, backend)
+    tier_calls = []
+    real = native.lookup_train_group
+
+    def spy(*args, **kwargs):
+        tier_calls.append(kwargs.get("tier") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(native, "lookup_train_group", spy)
     config = EmbeddingBagConfig(
         name="t", embedding_dim=DIM, num_embeddings=2**40, feature_names=["f"]
     )
@@ -75,6 +83,8 @@ def _run(backend: str, case: str, path, monkeypatch: pytest.MonkeyPatch):
         out.backward(torch.sin(torch.arange(out.numel(), dtype=torch.float32)).view_as(out))
         outputs.append(out.detach())
     table = ebc.table("t")
+    # the native run takes the tier's native lookup at every step, the torch run never
+    assert tier_calls == ([True] * STEPS if backend == "auto" else []), tier_calls
     result = outputs, table.export(), table.metrics()
     table.ssd.close()
     return result

@@ -122,6 +122,12 @@ class _TrainArgs(ctypes.Structure):
         ("evicted_slots", _PTR),
         ("metrics", _PTR),
         ("sizes", _PTR),
+        ("promote_ids", _PTR),
+        ("promote_scores", _PTR),
+        ("num_promote", _I64),
+        ("unique_flags", _PTR),
+        ("unique_scores", _PTR),
+        ("evicted_scores", _PTR),
     ]
 
 
@@ -563,6 +569,22 @@ class TrainLookup(NamedTuple):
     evicted_ids: torch.Tensor  # [E]
     evicted_slots: torch.Tensor  # [E], reused by inserted ids
     metrics: torch.Tensor  # [T, 6] int64 deltas, columns METRIC_NAMES
+    # With a ``TierPromotion`` only (else None):
+    unique_flags: torch.Tensor | None = None  # [U] uint8, UNIQUE_* bits
+    unique_scores: torch.Tensor | None = None  # [U] the score held (or, without a row, due)
+    evicted_scores: torch.Tensor | None = None  # [E] the evicted entries' scores
+
+
+#: Bits of ``TrainLookup.unique_flags`` (KvUniqueFlag in csrc/kvemb_native.h).
+UNIQUE_INSERTED, UNIQUE_PROMOTED, UNIQUE_NO_ROOM = 1, 2, 4
+
+
+class TierPromotion(NamedTuple):
+    """The batch's ids a lower tier holds (none in memory), ascending, with their
+    in-memory scores: ``lookup_train_group`` of a one-table group over an SSD tier."""
+
+    ids: torch.Tensor
+    scores: torch.Tensor
 
 
 def lookup_train_group(
@@ -579,6 +601,7 @@ def lookup_train_group(
     counter: CounterIndex | None = None,
     num_threads: int | None = None,
     workspace: Workspace | None = None,
+    tier: TierPromotion | None = None,
 ) -> TrainLookup:
     """Slots for a training batch of a group, inserting new ids; updates in place.
 
@@ -593,6 +616,12 @@ def lookup_train_group(
     initial values (normal ones through ``ops.hashing.init_rows``) and zero
     optimizer state. ``num_threads`` (default ``torch.get_num_threads()``)
     changes the speed only; ``workspace`` keeps scratch memory between calls.
+
+    ``tier`` (a group of one table over a lower tier): its ids compete as stored
+    ones that outrank every unprotected entry (see ``KvTrainArgs``); no row is
+    written (the caller moves evicted rows out first, then writes promoted and
+    new rows), and the result has ``unique_flags``, ``unique_scores`` and
+    ``evicted_scores``.
     """
     T = tables.num_tables
     n = ids.numel()
@@ -662,6 +691,23 @@ def lookup_train_group(
     args.init_high = _tensor(tables.init_b, "init_high", torch.float64, (T,))
 
     i64 = dict(dtype=torch.int64)
+    tier_out = None
+    if tier is not None:
+        if T != 1:
+            raise ValueError("lookup_train_group: a tier needs a group of one table")
+        p = tier.ids.numel()
+        args.weights = args.state = None
+        args.promote_ids = _tensor(tier.ids, "tier.ids", torch.int64, (p,))
+        args.promote_scores = _tensor(tier.scores, "tier.scores", torch.int64, (p,))
+        args.num_promote = p
+        tier_out = (
+            torch.empty(n, dtype=torch.uint8),
+            torch.empty(n, **i64),
+            torch.empty(n, **i64),
+        )
+        args.unique_flags, args.unique_scores, args.evicted_scores = (
+            t.data_ptr() for t in tier_out
+        )
     slots, unique_index = torch.empty(n, **i64), torch.empty(n, **i64)
     unique_ids, unique_slots, unique_table = (torch.empty(n, **i64) for _ in range(3))
     unique_inserted = torch.empty(n, dtype=torch.bool)
@@ -694,6 +740,11 @@ def lookup_train_group(
         evicted_slots[:e],
         metrics,
     )
+    if tier_out is not None:
+        flags, scores_u, scores_e = tier_out
+        return result._replace(
+            unique_flags=flags[:u], unique_scores=scores_u[:u], evicted_scores=scores_e[:e]
+        )
     every_table = weights.dtype != torch.float32
     if tables.has_normal or every_table:
         _fill_new_rows(tables, weights, result, every_table)
@@ -819,7 +870,11 @@ __all__ = [
     "METRIC_NAMES",
     "CounterIndex",
     "NativeOpError",
+    "TierPromotion",
     "TrainLookup",
+    "UNIQUE_INSERTED",
+    "UNIQUE_NO_ROOM",
+    "UNIQUE_PROMOTED",
     "Workspace",
     "VARIANTS",
     "available",
