@@ -211,6 +211,12 @@ typedef struct KvInsertArgs {
 
 int kv_insert(const KvInsertArgs* args);
 
+// Puts absent ids [n] into the first empty ways of their buckets, in the
+// given order (index.py BucketIndex.place): slots [n], -1 for every id of a
+// bucket without room for all of them. Keys are written, scores untouched.
+int kv_place(int64_t* keys, int64_t num_buckets, const int64_t* ids, int64_t n,
+             int64_t num_threads, int64_t* slots);
+
 // Checksums [k] of slab records block [k, words] (ssd/slab.py checksum).
 int kv_record_checksum(const int64_t* block, int64_t k, int64_t words, int64_t num_threads,
                        int64_t* out);

@@ -41,6 +41,7 @@ from torchrec_kvemb.ops.optimizer_update import (
     fused_backward_fbgemm,
     optimizer_update_torch,
 )
+from torchrec_kvemb.ops.place import place_torch
 from torchrec_kvemb.ops.pooled_lookup import (
     group_pooled_backward_torch,
     group_pooled_forward_torch,
@@ -73,6 +74,20 @@ def index_bucket(ids: torch.Tensor, num_buckets: int) -> torch.Tensor:
         # why native: one pass instead of ~12 int64 tensor ops (~0.3 ms per 20k ids).
         return native.index_bucket(ids.contiguous(), num_buckets)
     return hashing.index_bucket(ids, num_buckets)
+
+
+def place(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Absent ``ids`` into the first empty ways of their buckets (``ops/place.py``)."""
+    if (
+        native.use_native(ids.device)
+        and keys.is_contiguous()
+        and keys.shape[1] == WAYS
+        and ids.dtype == torch.int64
+    ):
+        # why native: ~5x less time than the dozen torch ops for the SSD tier's
+        # 5k demotions a step (0.5 against 2.5 ms, one thread).
+        return native.place(keys, ids.contiguous())
+    return place_torch(keys, ids)
 
 
 def init_rows(ids: torch.Tensor, dim: int, spec: InitSpec) -> torch.Tensor:

@@ -249,6 +249,7 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
     lib.kv_lookup_train_group.argtypes = [ctypes.POINTER(_TrainArgs)]
     lib.kv_fused_backward_group.argtypes = [ctypes.POINTER(_BackwardArgs)]
     lib.kv_insert.argtypes = [ctypes.POINTER(_InsertArgs)]
+    lib.kv_place.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _PTR]
     lib.kv_record_checksum.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
     lib.kv_write_records.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64]
     for fn in (
@@ -258,6 +259,7 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
         lib.kv_lookup_train_group,
         lib.kv_fused_backward_group,
         lib.kv_insert,
+        lib.kv_place,
         lib.kv_record_checksum,
         lib.kv_write_records,
         lib.kv_cpu_has_avx2,
@@ -504,6 +506,23 @@ def insert(
     e = int(count)
     flags = flags.view(torch.bool)
     return InsertResult(slots, flags[0], flags[1], evicted[0, :e], evicted[1, :e])
+
+
+def place(keys: torch.Tensor, ids: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
+    """``BucketIndex.place`` natively: absent ``ids`` (>= 0) into the first empty ways
+    of their buckets in the given order; their slots, -1 for every id of a bucket
+    without room for all of them. ``keys`` is updated in place."""
+    slots = torch.empty(ids.numel(), dtype=torch.int64)
+    status = _lib().kv_place(
+        _tensor(keys, "keys", torch.int64, (-1, WAYS)),
+        keys.shape[0],
+        _tensor(ids, "ids", torch.int64, (-1,)),
+        ids.numel(),
+        _threads(num_threads),
+        slots.data_ptr(),
+    )
+    _check_status(status, "place")
+    return slots
 
 
 # ------------------------------------------------------------ slab records
@@ -885,6 +904,7 @@ __all__ = [
     "insert",
     "library_path",
     "load_variant",
+    "place",
     "lookup_eval_group",
     "lookup_train_group",
     "record_checksum",

@@ -1,4 +1,5 @@
-"""The native find-or-insert (``native.insert``) against ``insert_torch``, bit for bit.
+"""The native find-or-insert (``native.insert``) and placement (``native.place``)
+against their torch paths, bit for bit.
 
 Every case runs the same unique ids and values through both on copies of one
 index and compares the index arrays, slots, hits, insertions and evictions
@@ -16,6 +17,7 @@ from torchrec_kvemb import dispatch
 from torchrec_kvemb.ops import native
 from torchrec_kvemb.ops.hashing import index_bucket
 from torchrec_kvemb.ops.insert import insert_torch
+from torchrec_kvemb.ops.place import place_torch
 from torchrec_kvemb.options import WAYS
 from torchrec_kvemb.validation import KVInputError
 
@@ -129,3 +131,32 @@ def test_dispatch_takes_the_native_op_for_a_cpu_index(monkeypatch: pytest.Monkey
     keys, scores = random_index(3, 0.5, torch.Generator().manual_seed(2), 100)
     dispatch.insert(keys, scores, torch.tensor([101, 102]), torch.tensor([1, 1]), False, False)
     assert calls == [1]
+
+
+# ------------------------------------------------------------------ place
+@pytest.mark.parametrize("num_buckets", [1, 5, 1_031])
+def test_place_matches_place_torch(num_buckets: int) -> None:
+    """Absent ids into empty ways, in the given order; a bucket without room for all
+    of its ids takes none: rounds until buckets fill, against ``place_torch``."""
+    gen = torch.Generator().manual_seed(num_buckets)
+    keys, _ = random_index(num_buckets, 0.5, gen, 20 * num_buckets + 40)
+    fresh = torch.randperm(200_000, generator=gen) + 10**6  # never in the index
+    used = 0
+    for step in range(6):
+        n = int(torch.randint(0, 6 * num_buckets + 9, (1,), generator=gen))
+        ids = fresh[used : used + n]
+        used += n
+        want_keys = keys.clone()
+        want = place_torch(want_keys, ids)
+        got = native.place(keys, ids)
+        assert torch.equal(got, want), f"step {step}"
+        assert torch.equal(keys, want_keys), f"step {step}"
+    assert int((keys < 0).sum()) < keys.numel() // 4  # the rounds filled the index
+
+
+def test_place_negative_id_is_refused_and_nothing_changes() -> None:
+    keys, _ = random_index(3, 0.2, torch.Generator().manual_seed(4), 100)
+    before = keys.clone()
+    with pytest.raises(KVInputError, match="ids must be >= 0"):
+        native.place(keys, torch.tensor([10**6, -1]))
+    assert torch.equal(keys, before)

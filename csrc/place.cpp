@@ -1,0 +1,57 @@
+// Placement of absent ids into the empty ways of their buckets
+// (torchrec_kvemb/index.py BucketIndex.place): per bucket, in the given
+// order, the ids take the empty ways in ascending order, or, when they do not
+// all fit, none of them does (slot -1). Scores are not touched.
+#include <algorithm>
+#include <new>
+#include <vector>
+
+#include "bucket.h"
+#include "bucket_order.h"
+#include "hashing.h"
+#include "kvemb_native.h"
+#include "parallel.h"
+#include "workspace.h"
+
+extern "C" int kv_place(int64_t* keys, int64_t num_buckets, const int64_t* ids, int64_t n,
+                        int64_t num_threads, int64_t* slots) {
+  using namespace kvemb;
+  if (n < 0 || num_buckets < 1) return KV_BAD_ARGUMENT;
+  for (int64_t i = 0; i < n; ++i) {
+    if (ids[i] < 0) return KV_NEGATIVE_ID;
+  }
+  try {
+    Arena arena;
+    const FastMod mod(static_cast<uint64_t>(num_buckets));
+    int64_t* bucket = arena.take<int64_t>(n);
+    for (int64_t i = 0; i < n; ++i) bucket[i] = index_bucket(ids[i], mod);
+    BucketOrder order;
+    const int64_t threads = std::max<int64_t>(1, num_threads);
+    order_by_bucket(bucket, ids, n, num_buckets, threads, arena, &order);
+    const bool ok = parallel_for(order.parts, threads, [&](int64_t p, int64_t) {
+      const Item* items = order.items;
+      const int64_t end = order.part_start[p + 1];
+      for (int64_t k = order.part_start[p]; k < end;) {
+        int64_t k1 = k + 1;
+        while (k1 < end && items[k1].bucket == items[k].bucket) ++k1;
+        int64_t* bucket_keys = keys + items[k].bucket * kWays;
+        uint32_t empty = match(bucket_keys, kEmpty);
+        const bool fits = k1 - k <= __builtin_popcount(empty);
+        for (int64_t j = k; j < k1; ++j) {
+          if (!fits) {
+            slots[items[j].index] = -1;
+            continue;
+          }
+          const int way = lowest_way(empty);
+          empty &= empty - 1;
+          bucket_keys[way] = items[j].key;
+          slots[items[j].index] = items[k].bucket * kWays + way;
+        }
+        k = k1;
+      }
+    });
+    return ok ? KV_OK : KV_OUT_OF_MEMORY;
+  } catch (const std::bad_alloc&) {
+    return KV_OUT_OF_MEMORY;
+  }
+}
