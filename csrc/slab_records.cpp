@@ -58,9 +58,14 @@ extern "C" int kv_write_records(int64_t* slab, int64_t slab_records, int64_t wor
   }
   const int64_t tasks = (k + kRecordsPerTask - 1) / kRecordsPerTask;
   const bool ok = kvemb::parallel_for(tasks, num_threads, [&](int64_t task, int64_t) {
-    int64_t* record = nullptr;
-    for (int64_t r = task * kRecordsPerTask, end = std::min(k, r + kRecordsPerTask); r < end; ++r) {
-      record = slab + records[r] * words;
+    constexpr int64_t kAhead = 8;  // records in flight: their cache misses overlap
+    const int64_t begin = task * kRecordsPerTask, end = std::min(k, begin + kRecordsPerTask);
+    for (int64_t r = begin; r < end; ++r) {
+      if (r + kAhead < end) {
+        const char* ahead = reinterpret_cast<const char*>(slab + records[r + kAhead] * words);
+        for (int64_t b = 0; b < words * 8; b += 64) __builtin_prefetch(ahead + b, 1);
+      }
+      int64_t* record = slab + records[r] * words;
       record[0] = ids[r];
       record[1] = scores[r];
       record[kChecksumWord] = 0;

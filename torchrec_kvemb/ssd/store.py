@@ -183,6 +183,8 @@ class SSDStore:
         free = (~in_use).nonzero().squeeze(1).flip(0)  # popped from the end: lowest first
         self._free[: free.numel()] = free
         self._free_count = free.numel()
+        self._recycled: list[torch.Tensor] = []  # freed since, reused after a merge
+        self._recycled_count = 0
         self._pending = 0  # durable records freed since the last flush
 
     # --------------------------------------------------------------- state
@@ -199,7 +201,7 @@ class SSDStore:
     @property
     def free_records(self) -> int:
         """Slab records free to write now (those waiting for a flush not counted)."""
-        return self._free_count
+        return self._free_count + self._recycled_count
 
     @property
     def waiting_records(self) -> int:
@@ -233,6 +235,10 @@ class SSDStore:
         self._check_open()
         if self._free_count >= n:
             return
+        if self._recycled_count:
+            self._merge_recycled()
+            if self._free_count >= n:
+                return
         old = self.slab.records
         new = old + max(n - self._free_count, old // 2, MIN_GROWTH)
         self.slab.grow(new)
@@ -248,12 +254,12 @@ class SSDStore:
     def needs_flush(self, n: int) -> bool:
         """Whether writing ``n`` rows should flush first: free records are short and
         enough records wait for a flush to become reusable (a quarter of the slab)."""
-        return self._free_count < n and self._pending >= max(n, self.slab.records // 4)
+        return self.free_records < n and self._pending >= max(n, self.slab.records // 4)
 
     def _alloc(self, n: int) -> torch.Tensor:
         self.reserve(n)
         self._free_count -= n
-        return self._free[self._free_count : self._free_count + n].clone()
+        return self._free[self._free_count : self._free_count + n].flip(0)
 
     def _release(self, records: torch.Tensor) -> None:
         """Free ``records``: now if no durable index needs them, else after the next flush."""
@@ -262,8 +268,21 @@ class SSDStore:
         durable = self._durable[records]
         self._pending += int(durable.sum())
         reusable = records[~durable]
-        self._free[self._free_count : self._free_count + reusable.numel()] = reusable
-        self._free_count += reusable.numel()
+        if reusable.numel():
+            self._recycled.append(reusable)
+            self._recycled_count += reusable.numel()
+
+    def _merge_recycled(self) -> None:
+        """Records freed since the last merge join the free records, all sorted so the
+        lowest are taken first (why: a batch of writes then fills records near each
+        other, so fewer pages of the mapping fault as they are first written
+        after the kernel cleaned them; writes of freed records in the order they
+        were freed hit a page each, ~4x the time for the SSD tier's demotions)."""
+        merged = torch.cat([self._free[: self._free_count], *self._recycled])
+        merged = torch.sort(merged, descending=True).values  # taken from the end
+        self._free[: merged.numel()] = merged
+        self._free_count = merged.numel()
+        self._recycled, self._recycled_count = [], 0
 
     def _write(
         self, records: torch.Tensor, ids: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor
