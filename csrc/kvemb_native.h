@@ -217,6 +217,12 @@ int kv_insert(const KvInsertArgs* args);
 int kv_place(int64_t* keys, int64_t num_buckets, const int64_t* ids, int64_t n,
              int64_t num_threads, int64_t* slots);
 
+// Copies records[k] of slab [slab_records, words] into out [k, words]; ok[k]:
+// the record holds ids[r] and its checksum matches (ssd/slab.py verify).
+int kv_read_records(const int64_t* slab, int64_t slab_records, int64_t words,
+                    const int64_t* records, int64_t k, const int64_t* ids, int64_t num_threads,
+                    int64_t* out, uint8_t* ok);
+
 // Checksums [k] of slab records block [k, words] (ssd/slab.py checksum).
 int kv_record_checksum(const int64_t* block, int64_t k, int64_t words, int64_t num_threads,
                        int64_t* out);

@@ -77,3 +77,27 @@ extern "C" int kv_write_records(int64_t* slab, int64_t slab_records, int64_t wor
   });
   return ok ? KV_OK : KV_OUT_OF_MEMORY;
 }
+
+extern "C" int kv_read_records(const int64_t* slab, int64_t slab_records, int64_t words,
+                               const int64_t* records, int64_t k, const int64_t* ids,
+                               int64_t num_threads, int64_t* out, uint8_t* ok) {
+  if (k < 0 || words <= kHeadWords) return KV_BAD_ARGUMENT;
+  for (int64_t r = 0; r < k; ++r) {
+    if (records[r] < 0 || records[r] >= slab_records) return KV_BAD_ARGUMENT;
+  }
+  const int64_t tasks = (k + kRecordsPerTask - 1) / kRecordsPerTask;
+  const bool done = kvemb::parallel_for(tasks, num_threads, [&](int64_t task, int64_t) {
+    constexpr int64_t kAhead = 8;  // records in flight: their cache misses overlap
+    const int64_t begin = task * kRecordsPerTask, end = std::min(k, begin + kRecordsPerTask);
+    for (int64_t r = begin; r < end; ++r) {
+      if (r + kAhead < end) {
+        const char* ahead = reinterpret_cast<const char*>(slab + records[r + kAhead] * words);
+        for (int64_t b = 0; b < words * 8; b += 64) __builtin_prefetch(ahead + b);
+      }
+      int64_t* copy = out + r * words;
+      std::memcpy(copy, slab + records[r] * words, sizeof(int64_t) * words);
+      ok[r] = copy[0] == ids[r] && copy[kChecksumWord] == record_checksum(copy, words);
+    }
+  });
+  return done ? KV_OK : KV_OUT_OF_MEMORY;
+}

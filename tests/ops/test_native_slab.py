@@ -62,3 +62,27 @@ def test_record_outside_the_slab_is_refused_and_nothing_written() -> None:
             slab, records, torch.tensor([5, 6]), torch.tensor([0, 0]), torch.ones(2, 5)
         )
     assert int(slab.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("width", [1, 9, 65], ids=lambda w: f"width{w}")
+def test_read_records_matches_index_select_and_verify(width: int) -> None:
+    """Copies and checks: a record read for another id, or with one word changed,
+    is not ok; every other is, and the copies equal ``index_select``'s."""
+    gen = torch.Generator().manual_seed(width + 1)
+    words = record_words(width, 0)
+    ids = torch.randint(0, 2**62, (1_501,), generator=gen)
+    rows = torch.randn(1_501, width, generator=gen)
+    slab = encode_reference(ids, torch.zeros_like(ids), rows, words)
+    slab[7, HEAD_WORDS] ^= 1 << 20  # a changed float
+    slab[11, 1] += 1  # a changed score
+    records = torch.randperm(1_501, generator=gen)[:1_033]
+    asked = ids[records].clone()
+    asked[5] += 1  # a record read for another id
+    block, ok = native.read_records(slab, records, asked, num_threads=2)
+    assert torch.equal(block, slab.index_select(0, records))
+    want = (slab[records, 0] == asked) & (
+        slab[records, CHECKSUM_WORD] == torch.from_numpy(checksum(block.numpy()))
+    )
+    assert torch.equal(ok, want)
+    bad = set((~ok).nonzero().squeeze(1).tolist())
+    assert 5 in bad and len(bad) == 1 + sum(int(r) in (7, 11) for r in records.tolist())

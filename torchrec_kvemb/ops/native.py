@@ -249,6 +249,7 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
     lib.kv_lookup_train_group.argtypes = [ctypes.POINTER(_TrainArgs)]
     lib.kv_fused_backward_group.argtypes = [ctypes.POINTER(_BackwardArgs)]
     lib.kv_insert.argtypes = [ctypes.POINTER(_InsertArgs)]
+    lib.kv_read_records.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR]
     lib.kv_place.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _PTR]
     lib.kv_record_checksum.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
     lib.kv_write_records.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64]
@@ -260,6 +261,7 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
         lib.kv_fused_backward_group,
         lib.kv_insert,
         lib.kv_place,
+        lib.kv_read_records,
         lib.kv_record_checksum,
         lib.kv_write_records,
         lib.kv_cpu_has_avx2,
@@ -538,6 +540,30 @@ def record_checksum(block: torch.Tensor, num_threads: int | None = None) -> torc
     )
     _check_status(status, "record_checksum")
     return out
+
+
+def read_records(
+    slab: torch.Tensor, records: torch.Tensor, ids: torch.Tensor, num_threads: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of ``records`` of ``slab [records, words]``: ``(block [k, words], ok [k])``,
+    ``ok`` where a record holds its id of ``ids`` and its checksum matches (what
+    ``index_select`` then ``Slab.verify`` give)."""
+    k = records.numel()
+    out = torch.empty(k, slab.shape[1], dtype=torch.int64)
+    ok = torch.empty(k, dtype=torch.bool)
+    status = _lib().kv_read_records(
+        _tensor(slab, "slab", torch.int64, (-1, -1)),
+        slab.shape[0],
+        slab.shape[1],
+        _tensor(records, "records", torch.int64, (k,)),
+        k,
+        _tensor(ids, "ids", torch.int64, (k,)),
+        _threads(num_threads),
+        out.data_ptr(),
+        ok.data_ptr(),
+    )
+    _check_status(status, "read_records")
+    return out, ok
 
 
 def write_records(
@@ -907,6 +933,7 @@ __all__ = [
     "place",
     "lookup_eval_group",
     "lookup_train_group",
+    "read_records",
     "record_checksum",
     "unavailable_reason",
     "use_native",

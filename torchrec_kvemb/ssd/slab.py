@@ -320,6 +320,17 @@ class Slab:
             job.result()
         return out
 
+    def read_verified(
+        self, records: torch.Tensor, ids: torch.Tensor, view: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(read(records, view), verify(block, ids))`` in one pass where the native
+        kernels run (copy and check of each record while it is in cache)."""
+        if not (native.use_native("cpu") and records.numel() < PARALLEL_READ_MIN):
+            block = self.read(records, view)
+            return block, self.verify(block, ids)
+        view = self.view() if view is None else view
+        return native.read_records(view, records.contiguous(), ids.contiguous())
+
     def write(
         self, records: torch.Tensor, ids: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor
     ) -> None:

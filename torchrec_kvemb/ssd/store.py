@@ -294,10 +294,10 @@ class SSDStore:
         self.counters["ssd_bytes_written"] += records.numel() * self.slab.record_bytes
 
     def _read(self, records: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        block = self.slab.read(records)
+        block, ok = self.slab.read_verified(records, ids)
         self.counters["ssd_reads"] += records.numel()
         self.counters["ssd_bytes_read"] += records.numel() * self.slab.record_bytes
-        return block, self.slab.verify(block, ids)
+        return block, ok
 
     # ---------------------------------------------------------------- index
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
@@ -413,8 +413,7 @@ class SSDStore:
         self.counters["ssd_bytes_read"] += records.numel() * slab.record_bytes
 
         def read() -> tuple[torch.Tensor, torch.Tensor]:
-            block = slab.read(records, view)
-            return block, slab.verify(block, ids)
+            return slab.read_verified(records, ids, view)
 
         self._prefetcher.submit(ids, records, generations, read)
 
