@@ -19,9 +19,15 @@ to the SSD tier at the table's next call.
 The two tiers never hold the same id. ``KVTable(..., options)`` with
 ``options.ssd`` builds this class. See docs/ssd-tier.md.
 
-Why one file of some 460 lines: one class, each of whose methods is the
-table's contract over two tiers; the storage (``ssd/``) and the scratch pad
-(``ssd/scratch.py``) already live apart.
+On the CPU with the native kernels, ``lookup_train`` is one native
+find-or-insert of the whole batch with the SSD ids as promotions
+(``native.TierPromotion``); the torch path stays the reference it is tested
+against (tests/ssd/test_tier_backends.py).
+
+Why one file of some 550 lines: one class, each of whose methods is the
+table's contract over two tiers (the training lookup twice: native and torch);
+the storage (``ssd/``) and the scratch pad (``ssd/scratch.py``) already live
+apart.
 
 Example::
 

@@ -15,12 +15,15 @@ path give (``KVTable.lookup_eval`` / ``lookup_train``, ``apply_gradients``):
 the same slots, keys, scores, rows, optimizer state, counters and metrics,
 for any ``num_threads``. The library is built by the package's install
 (``setup.py``); where no C++ compiler was found ``available()`` is False and
-callers keep the torch path. See docs/native.md.
+callers keep the torch path. Beside the group ops: one index's find-or-insert
+(``insert``) and placement (``place``), and the SSD tier's slab records
+(``write_records``, ``read_records``, ``record_checksum``), each bit-exact with
+its torch path. See docs/native.md.
 
-Why one file of some 700 lines: the ctypes mirrors of ``csrc/kvemb_native.h``'s
-argument structs and the wrappers that fill them must change together with
-that header (and its ``ABI_VERSION``); kept side by side, a field added to one
-cannot be missed in the other.
+Why one file of some 950 lines: it is the binding of one C library; the ctypes
+mirrors of ``csrc/kvemb_native.h``'s argument structs and the wrappers that
+fill them must change together with that header (and its ``ABI_VERSION``);
+kept side by side, a field added to one cannot be missed in the other.
 
 Example::
 
