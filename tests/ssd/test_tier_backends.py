@@ -15,7 +15,13 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_kvemb import EvictionPolicy, KVEmbeddingBagCollection, KVTableOptions, SSDOptions
+from torchrec_kvemb import (
+    EvictionPolicy,
+    KVEmbeddingBagCollection,
+    KVTable,
+    KVTableOptions,
+    SSDOptions,
+)
 from torchrec_kvemb.backend import ENV_VAR
 from torchrec_kvemb.ops import native
 from torchrec_kvemb.ops.hashing import index_bucket
@@ -106,3 +112,43 @@ def test_native_tier_matches_torch(case: str, tmp_path, monkeypatch) -> None:
     assert metrics == ref_metrics
     assert ref_metrics["promotions"] > 0 and ref_metrics["demotions"] > 0
     assert ref_metrics["scratch_rows"] > 0
+
+
+def _custom_run(backend: str, path, monkeypatch: pytest.MonkeyPatch):
+    """A CUSTOM_SCORE table over an SSD tier, looked up directly with custom scores
+    that tie and fall, so stored, promoted and new ids lose and win by score."""
+    monkeypatch.setenv(ENV_VAR, backend)
+    policy = EvictionPolicy.CUSTOM_SCORE
+    table = KVTable(
+        "c",
+        DIM,
+        KVTableOptions(
+            capacity=2 * WAYS,
+            eviction=policy,
+            seed=2,
+            ssd=SSDOptions(str(path / f"custom-{backend}"), eviction=policy, resume=False),
+        ),
+    )
+    gen = torch.Generator().manual_seed(3)
+    slots = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, 90, (57,), generator=gen) * 1_000_003
+        custom = torch.randint(0, 6, (57,), generator=gen)
+        slot = table.lookup_train(ids, custom)
+        weights = table.batch_rows()[0]  # memory rows, then scratch rows
+        weights[slot[slot >= 0]] += 0.25  # as a backward would change them
+        slots.append(slot >= 0)
+    result = slots, table.export(), table.metrics()
+    table.ssd.close()
+    return result
+
+
+def test_native_tier_matches_torch_with_custom_scores(tmp_path, monkeypatch) -> None:
+    ref_slots, ref_rows, ref_metrics = _custom_run("torch", tmp_path, monkeypatch)
+    slots, rows, metrics = _custom_run("auto", tmp_path, monkeypatch)
+    for step, (a, b) in enumerate(zip(ref_slots, slots)):
+        assert torch.equal(a, b), f"which ids got a row, step {step}"
+    for key, ref in ref_rows.items():
+        assert torch.equal(rows[key], ref), key
+    assert metrics == ref_metrics
+    assert ref_metrics["promotions"] > 0 and ref_metrics["demotions"] > 0
