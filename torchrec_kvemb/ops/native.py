@@ -356,7 +356,15 @@ def _check_status(status: int, op: str) -> None:
     raise NativeOpError(f"{op}: inconsistent arguments (sizes, offsets or indices; code {status})")
 
 
-def _threads(num_threads: int | None) -> int:
+#: Items below which an op given no thread count runs on one thread (why: a
+#: thread start costs 30-50 us, and on a busy machine a thread waiting for a
+#: core stalls the call for a scheduler slice, milliseconds).
+SMALL_WORK = 65_536
+
+
+def _threads(num_threads: int | None, work: int | None = None) -> int:
+    if num_threads is None and work is not None and work < SMALL_WORK:
+        return 1
     return max(1, int(num_threads if num_threads is not None else torch.get_num_threads()))
 
 
@@ -463,7 +471,7 @@ def lookup_eval_group(
         _tensor(ids, "ids", torch.int64, (-1,)),
         _tensor(table_idx, "table_idx", torch.int64, (n,)),
         n,
-        _threads(num_threads),
+        _threads(num_threads, n),
         slots.data_ptr(),
         hits.data_ptr(),
     )
@@ -498,7 +506,7 @@ def insert(
         n=n,
         accumulate=int(bool(accumulate)),
         keep_existing=int(bool(keep_existing)),
-        num_threads=_threads(num_threads),
+        num_threads=_threads(num_threads, n),
         workspace=_workspace_handle(workspace),
         slots=slots.data_ptr(),
         hit=flags[0].data_ptr(),
@@ -523,7 +531,7 @@ def place(keys: torch.Tensor, ids: torch.Tensor, num_threads: int | None = None)
         keys.shape[0],
         _tensor(ids, "ids", torch.int64, (-1,)),
         ids.numel(),
-        _threads(num_threads),
+        _threads(num_threads, ids.numel()),
         slots.data_ptr(),
     )
     _check_status(status, "place")
@@ -538,7 +546,7 @@ def record_checksum(block: torch.Tensor, num_threads: int | None = None) -> torc
         _tensor(block, "block", torch.int64, (-1, -1)),
         block.shape[0],
         block.shape[1],
-        _threads(num_threads),
+        _threads(num_threads, block.shape[0]),
         out.data_ptr(),
     )
     _check_status(status, "record_checksum")
@@ -561,7 +569,7 @@ def read_records(
         _tensor(records, "records", torch.int64, (k,)),
         k,
         _tensor(ids, "ids", torch.int64, (k,)),
-        _threads(num_threads),
+        _threads(num_threads, k),
         out.data_ptr(),
         ok.data_ptr(),
     )
@@ -591,7 +599,7 @@ def write_records(
         _tensor(scores, "scores", torch.int64, (k,)),
         _tensor(rows, "rows", torch.float32, (k, -1)),
         rows.shape[1],
-        _threads(num_threads),
+        _threads(num_threads, k),
     )
     _check_status(status, "write_records")
 
