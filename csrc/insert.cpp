@@ -71,20 +71,9 @@ class Insert {
   }
 
   void settle_part(int64_t p, Scratch& s) {
-    const Item* items = order_.items;
-    const int64_t end = order_.part_start[p + 1];
-    constexpr int64_t kAhead = 32;  // items: buckets visited ascending, a few ahead
-    for (int64_t k = order_.part_start[p]; k < end;) {
-      const int64_t bucket = items[k].bucket;
-      int64_t k1 = k + 1;
-      while (k1 < end && items[k1].bucket == bucket) ++k1;
-      if (k + kAhead < end) {
-        prefetch_bucket(a_.keys + items[k + kAhead].bucket * kWays);
-        prefetch_bucket(a_.scores + items[k + kAhead].bucket * kWays);
-      }
-      settle_bucket(p, bucket, k, k1, s);
-      k = k1;
-    }
+    for_each_bucket(order_, p, a_.keys, a_.scores, [&](int64_t bucket, int64_t k0, int64_t k1) {
+      settle_bucket(p, bucket, k0, k1, s);
+    });
   }
 
   // Items [k0, k1) of the order, all in ``bucket``.

@@ -228,20 +228,9 @@ class TrainLookup {
   // ------------------------------------------------------------ 1. collect
   void collect_part(int64_t p, int64_t worker) {
     Worker& w = workers_[static_cast<size_t>(worker)];
-    const Item* items = occ_.items;
-    const int64_t end = occ_.part_start[p + 1];
-    constexpr int64_t kAhead = 32;  // occurrences: buckets visited ascending, a few ahead
-    for (int64_t k = occ_.part_start[p]; k < end;) {
-      const int64_t bucket = items[k].bucket;
-      int64_t k1 = k + 1;
-      while (k1 < end && items[k1].bucket == bucket) ++k1;
-      if (k + kAhead < end) {
-        prefetch_bucket(a_.keys + items[k + kAhead].bucket * kWays);
-        prefetch_bucket(a_.scores + items[k + kAhead].bucket * kWays);
-      }
-      collect_bucket(p, bucket, k, k1, w);
-      k = k1;
-    }
+    for_each_bucket(occ_, p, a_.keys, a_.scores, [&](int64_t bucket, int64_t k0, int64_t k1) {
+      collect_bucket(p, bucket, k0, k1, w);
+    });
     n_evicted_collect_[p] = n_evicted_[p];
     if (!any_admission_) write_new_rows(occ_.part_start[p], occ_.part_start[p] + n_unique_[p]);
   }

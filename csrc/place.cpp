@@ -29,26 +29,22 @@ extern "C" int kv_place(int64_t* keys, int64_t num_buckets, const int64_t* ids, 
     const int64_t threads = std::max<int64_t>(1, num_threads);
     order_by_bucket(bucket, ids, n, num_buckets, threads, arena, &order);
     const bool ok = parallel_for(order.parts, threads, [&](int64_t p, int64_t) {
-      const Item* items = order.items;
-      const int64_t end = order.part_start[p + 1];
-      for (int64_t k = order.part_start[p]; k < end;) {
-        int64_t k1 = k + 1;
-        while (k1 < end && items[k1].bucket == items[k].bucket) ++k1;
-        int64_t* bucket_keys = keys + items[k].bucket * kWays;
+      for_each_bucket(order, p, keys, nullptr, [&](int64_t bucket, int64_t k0, int64_t k1) {
+        int64_t* bucket_keys = keys + bucket * kWays;
         uint32_t empty = match(bucket_keys, kEmpty);
-        const bool fits = k1 - k <= __builtin_popcount(empty);
-        for (int64_t j = k; j < k1; ++j) {
+        const bool fits = k1 - k0 <= __builtin_popcount(empty);
+        for (int64_t j = k0; j < k1; ++j) {
+          const Item& item = order.items[j];
           if (!fits) {
-            slots[items[j].index] = -1;
+            slots[item.index] = -1;
             continue;
           }
           const int way = lowest_way(empty);
           empty &= empty - 1;
-          bucket_keys[way] = items[j].key;
-          slots[items[j].index] = items[k].bucket * kWays + way;
+          bucket_keys[way] = item.key;
+          slots[item.index] = bucket * kWays + way;
         }
-        k = k1;
-      }
+      });
     });
     return ok ? KV_OK : KV_OUT_OF_MEMORY;
   } catch (const std::bad_alloc&) {
