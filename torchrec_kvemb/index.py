@@ -22,7 +22,6 @@ import torch
 
 from torchrec_kvemb import dispatch
 from torchrec_kvemb.contracts import InsertResult, stable_argsort
-from torchrec_kvemb.ops.hashing import index_bucket
 from torchrec_kvemb.options import WAYS
 
 
@@ -74,7 +73,7 @@ class BucketIndex:
 
     def buckets_of(self, ids: torch.Tensor) -> torch.Tensor:
         """The bucket of each id."""
-        return index_bucket(ids, self.num_buckets)
+        return dispatch.index_bucket(ids, self.num_buckets)
 
     def live_slots(self) -> torch.Tensor:
         """Slots holding an id, ascending."""

@@ -18,9 +18,10 @@ from typing import Any, ClassVar
 import torch
 
 from torchrec_kvemb.contracts import InitSpec, InsertResult, TableStorage, init_spec, seed_mix
+from torchrec_kvemb.dispatch import route_bucket
 from torchrec_kvemb.index import BucketIndex
 from torchrec_kvemb.memory import bytes_per_row, resolve_capacity, table_memory
-from torchrec_kvemb.ops.hashing import init_rows, route_bucket
+from torchrec_kvemb.ops.hashing import init_rows
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import EvictionPolicy, KVTableOptions
 from torchrec_kvemb.ssd.store import COUNTERS as SSD_COUNTERS

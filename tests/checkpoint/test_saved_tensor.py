@@ -41,7 +41,7 @@ def test_locate_and_read_equal_torch_load(dtype, shape):
         lengths = (count, *shape[1:]) if shape else ()
         offsets = (first,) + (0,) * (len(shape) - 1) if shape else ()
         target = torch.full(lengths, 7, dtype=dtype)
-        assert saved.readable_as(target, offsets, lengths)
+        assert saved.readable_as(dtype, offsets, lengths)
         read_rows_into(stream, saved, first, target)
         want = tensor[first : first + count] if shape else tensor
         assert torch.equal(target, want), (dtype, shape, first, count)
@@ -52,11 +52,12 @@ def test_strided_or_other_dtype_is_not_taken():
     stream, offset, length = _record(tensor)
     saved = locate(stream, offset, length)
     assert saved is not None and not saved.contiguous
-    assert not saved.readable_as(torch.empty(4, 3), (0, 0), (4, 3))
+    assert not saved.readable_as(torch.float32, (0, 0), (4, 3))
     plain = locate(*_record(torch.zeros(4, 3)))
-    assert not plain.readable_as(torch.empty(4, 3, dtype=torch.float64), (0, 0), (4, 3))
-    assert not plain.readable_as(torch.empty(4, 2), (0, 1), (4, 2))  # a column range
-    assert not plain.readable_as(torch.empty(8, 3)[::2], (0, 0), (4, 3))  # strided target
+    assert plain.readable_as(torch.float32, (1, 0), (3, 3))
+    assert not plain.readable_as(torch.float64, (0, 0), (4, 3))
+    assert not plain.readable_as(torch.float32, (0, 1), (4, 2))  # a column range
+    assert not plain.readable_as(torch.float32, (2, 0), (3, 3))  # past the end
 
 
 def test_other_objects_are_not_located():
@@ -102,7 +103,7 @@ def test_reader_equals_dcp_reader(tmp_path, monkeypatch):
     straight = []
     real = reader_module.read_rows_into
     monkeypatch.setattr(
-        reader_module, "read_rows_into", lambda *a: (straight.append(a[-1].shape), real(*a))
+        reader_module, "read_rows_into", lambda *a: (straight.append(a[3].shape), real(*a))
     )
     reader = ParallelFileSystemReader(str(tmp_path))
     dcp.load(ours, storage_reader=reader, planner=RowRangePlanner(offsets), no_dist=True)

@@ -199,7 +199,12 @@ class ParallelFileSystemReader(dcp.FileSystemReader):
             return False
         target = planner.resolve_tensor(item).detach()
         offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
-        if not saved.readable_as(target, offsets, lengths):
+        if not (
+            target.device.type == "cpu"
+            and target.is_contiguous()
+            and tuple(target.shape) == lengths
+            and saved.readable_as(target.dtype, offsets, lengths)
+        ):
             return False
         read_rows_into(stream, saved, offsets[0] if offsets else 0, target)
         planner.commit_tensor(item, target)

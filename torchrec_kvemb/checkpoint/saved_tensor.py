@@ -7,7 +7,7 @@ reader ``torch.load``s the whole record and copies the part a load asks for into
 the target: two passes over every byte. :func:`locate` parses the record's zip
 directory and pickle (no tensor data) and gives the storage's file offset, dtype,
 shape and strides; :func:`read_rows_into` reads a range of rows of a contiguous
-saved tensor from the file into a contiguous target, in blocks, with no other copy.
+saved tensor from the file into a contiguous target with no other copy.
 
 A record this module does not recognise (another pickle layout, a compressed or
 big-endian record, a strided tensor) gives ``None`` from :func:`locate`; the
@@ -17,7 +17,7 @@ Example::
 
     with open(path, "rb") as f:
         saved = locate(f, offset, length)
-        if saved is not None and saved.readable_as(target, storage_offsets, lengths):
+        if saved is not None and saved.readable_as(target.dtype, storage_offsets, lengths):
             read_rows_into(f, saved, storage_offsets[0], target)
 """
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import io
+import math
 import pickle
 import struct
 import sys
@@ -35,9 +36,6 @@ from typing import Any, BinaryIO
 
 import torch
 
-#: Bytes one ``readinto`` asks for. why: 32 MiB keeps a read long for the disk and
-#: short enough that a failing read stops soon; 8 to 128 MiB read 1.1 GB alike here.
-BLOCK = 32 << 20
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _LOCAL_SIGNATURE = b"PK\x03\x04"
 #: The typed storage classes ``torch.save`` names in its pickle, by dtype.
@@ -76,28 +74,18 @@ class SavedTensor:
         return all(a == b for a, b, n in zip(self.stride, reversed(expected), self.size) if n > 1)
 
     def readable_as(
-        self, target: torch.Tensor, offsets: tuple[int, ...], lengths: tuple[int, ...]
+        self, dtype: torch.dtype, offsets: tuple[int, ...], lengths: tuple[int, ...]
     ) -> bool:
-        """Whether ``target`` takes the part ``offsets`` / ``lengths`` of this tensor as one
-        run of bytes: same dtype, both contiguous, only the first dim narrowed."""
-        if not (
-            self.contiguous
-            and target.device.type == "cpu"
-            and target.is_contiguous()
-            and target.dtype == self.dtype
-            and tuple(target.shape) == tuple(lengths)
-            and len(lengths) == len(self.size)
-        ):
+        """Whether the part ``offsets`` / ``lengths`` of this tensor, as ``dtype``, is one
+        run of bytes: same dtype, contiguous, only the first dim narrowed."""
+        if not (self.contiguous and dtype == self.dtype and len(lengths) == len(self.size)):
             return False
         inner = zip(offsets[1:], lengths[1:], self.size[1:], strict=True)
         if any(o != 0 or n != s for o, n, s in inner):
             return False
         if self.size and offsets[0] + lengths[0] > self.size[0]:
             return False
-        numel = 1
-        for n in self.size:
-            numel *= n
-        return numel * self.dtype.itemsize <= self.storage_bytes
+        return math.prod(self.size) * self.dtype.itemsize <= self.storage_bytes
 
 
 class _Slice(io.RawIOBase):
@@ -227,21 +215,26 @@ def writable_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
+def read_bytes_into(stream: BinaryIO, offset: int, target: torch.Tensor) -> None:
+    """Fill the contiguous CPU ``target`` with the bytes of ``stream`` from ``offset``
+    (no other copy). A file that ends early raises ``EOFError``."""
+    nbytes = target.numel() * target.element_size()
+    if nbytes == 0:
+        return
+    view = writable_bytes(target)
+    stream.seek(offset)
+    done = 0
+    while done < nbytes:
+        got = stream.readinto(view[done:])
+        if not got:
+            raise EOFError(f"the file ends {nbytes - done} bytes before a tensor's end")
+        done += got
+
+
 def read_rows_into(
     stream: BinaryIO, saved: SavedTensor, first_row: int, target: torch.Tensor
 ) -> None:
     """Read rows ``[first_row, first_row + len(target))`` of ``saved`` (checked with
-    :meth:`SavedTensor.readable_as`) into ``target``'s memory, ``BLOCK`` bytes at a
-    time. A file that ends early raises ``EOFError``."""
-    nbytes = target.numel() * target.element_size()
-    if nbytes == 0:
-        return
-    row_bytes = nbytes // target.shape[0] if target.dim() else nbytes
-    view = writable_bytes(target)
-    stream.seek(saved.data_offset + first_row * row_bytes)
-    done = 0
-    while done < nbytes:
-        got = stream.readinto(view[done : min(nbytes, done + BLOCK)])
-        if not got:
-            raise EOFError(f"the file ends {nbytes - done} bytes before a tensor's end")
-        done += got
+    :meth:`SavedTensor.readable_as`) into the contiguous CPU ``target``."""
+    row_bytes = math.prod(target.shape[1:]) * target.element_size()
+    read_bytes_into(stream, saved.data_offset + first_row * row_bytes, target)
