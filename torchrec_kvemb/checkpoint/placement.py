@@ -78,20 +78,24 @@ class TablePlacement:
         hold kept aside. The first change to the table's arrays comes after this."""
         table, device = self.table, self.table.device
         ids = self.ids.to(device)
-        positions = torch.arange(ids.numel(), device=device)
-        if self.keep is not None:
-            keep = self.keep.to(device)
-            ids, positions = ids[keep], positions[keep]
+        keep = None if self.keep is None else self.keep.to(device)
+        if keep is not None:
+            ids = ids[keep]
         if self.scores is None:
             scores = torch.full_like(ids, table.step)
         else:
             scores = self.scores.to(device, torch.int64)
-            scores = scores if self.keep is None else scores[self.keep.to(device)]
+            scores = scores if keep is None else scores[keep]
         index = BucketIndex.empty(table.index.num_buckets, device)
         src, slots = index.bulk_load(ids, scores)
-        placed = positions if src is None else positions[src]
-        slot_of_row = torch.full((self.ids.numel(),), -1, dtype=torch.int64, device=device)
-        slot_of_row[placed] = slots
+        if keep is None and src is None:
+            placed, slot_of_row = ids, slots  # every read row, in read order
+        else:
+            positions = torch.arange(self.ids.numel(), device=device)
+            positions = positions if keep is None else positions[keep]
+            placed = positions if src is None else positions[src]
+            slot_of_row = torch.full((self.ids.numel(),), -1, dtype=torch.int64, device=device)
+            slot_of_row[placed] = slots
         self.lost = ids.numel() - placed.numel()
         self._every_row = placed.numel() == self.ids.numel()
         overwritten = slots[table.keys.view(-1).index_select(0, slots) >= 0]
