@@ -3,8 +3,8 @@
 ``checkpoint.load`` reads a table's ids and scores first, checks them, then reads
 its rows (``weight`` and the optimizer state) in blocks (:mod:`.row_stream`).
 :class:`RowPlacer` places each block into the table's row arrays as soon as it is
-read, on a thread of its own, so placing overlaps reading. Nothing a user can see changes before
-:meth:`RowPlacer.commit`:
+read, on a thread of its own, so placing overlaps reading. Nothing a user can see
+changes before :meth:`RowPlacer.commit`:
 
 * the slots come from a staged index (:meth:`BucketIndex.bulk_load` into an empty
   index of the table's bucket count: the slots a load into the cleared table gives),
