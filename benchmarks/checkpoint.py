@@ -7,8 +7,7 @@ row-wise Adagrad (one float of state per row). Bytes of a checkpoint: per row
 ``4 * dim`` (weight) + 4 (momentum1) + 8 (id) + 8 (score).
 
 * ``save``: ``checkpoint.save(model, path)``: ``state_dict()`` (every table's
-  ids sorted by routing bucket; the rows gathered table by table while DCP
-  writes the tables before), DCP's writes, fsync, rename, marker.
+  export, sorted by routing bucket), DCP's writes, fsync, rename, marker.
 * ``load``: ``checkpoint.load(fresh_model, path)`` after the checkpoint's files
   are dropped from the page cache (``posix_fadvise(DONTNEED)``): metadata, the
   ids and scores, checks, then the rows read in blocks, each placed into its

@@ -322,20 +322,13 @@ class KVTable:
             ids, order = ids.index_select(0, by_bucket), order.index_select(0, by_bucket)
         return ids, slots.index_select(0, order)
 
-    def rows_of_slots(
-        self, slots: torch.Tensor, out: dict[str, torch.Tensor] | None = None
-    ) -> dict[str, torch.Tensor]:
-        """``weights``, ``scores`` and the optimizer state by name of ``slots`` (into the
-        tensors of ``out`` where given: same names, shapes and dtypes)."""
-        out = dict(out or {})
-        out["weights"] = torch.index_select(self.weights, 0, slots, out=out.get("weights"))
-        scores = self.index.scores.view(-1)
-        out["scores"] = torch.index_select(scores, 0, slots, out=out.get("scores"))
-        if not self.optim.state_names():
-            return out
-        state = self.optim.split_state(self.state, self.dim)
-        for name, column in state.items():
-            out[name] = torch.index_select(column, 0, slots, out=out.get(name))
+    def rows_of_slots(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``weights``, ``scores`` and the optimizer state by name of ``slots``."""
+        out = {
+            "weights": self.weights.index_select(0, slots),
+            "scores": self.index.scores_at(slots),
+        }
+        out.update(self.optim.split_state(self.state.index_select(0, slots), self.dim))
         return out
 
     def metrics(self) -> dict[str, float]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import os
-import threading
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -50,7 +49,6 @@ from torchrec_kvemb.checkpoint.optimizer_state import (
 from torchrec_kvemb.checkpoint.placement import WEIGHT, RowPlacer, TablePlacement
 from torchrec_kvemb.checkpoint.reader import ParallelFileSystemReader, RowRangePlanner
 from torchrec_kvemb.checkpoint.row_stream import RowBlock, stream_rows
-from torchrec_kvemb.checkpoint.save_planner import DeferredRowsSavePlanner
 from torchrec_kvemb.state_dict import (
     ADMISSION_KEYS,
     ROW_KEYS,
@@ -64,7 +62,6 @@ from torchrec_kvemb.state_dict import (
     kv_table_slots,
     restore_table,
 )
-from torchrec_kvemb.state_dict.deferred import deferred_rows
 
 MODEL = "model"
 #: What to do with a stock table's rows in a checkpoint of a KV model.
@@ -93,8 +90,7 @@ def save(
     check_target(path)
     slots = kv_table_slots(model)
     tables = _table_configs(slots, group)
-    with deferred_rows() as deferred:  # rows gathered while the writers write
-        state: dict[str, Any] = {MODEL: model.state_dict()}
+    state: dict[str, Any] = {MODEL: model.state_dict()}
     fused = fused_state(model, slots)
     rates = learning_rates(slots)
     if rates:
@@ -105,21 +101,13 @@ def save(
         state[OPTIM] = optimizer_state(model, optimizer)
     token = comm.broadcast(uuid.uuid4().hex if comm.rank(group) == 0 else None, group)
     tmp = f"{path}.tmp-{token}"
-    gather = threading.Thread(target=deferred.fill, name="kvemb-rows-gather", daemon=True)
-    gather.start()
-    try:
-        with comm.single_process_ok():
-            dcp.save(
-                state,
-                storage_writer=dcp.FileSystemWriter(tmp, thread_count=thread_count),
-                planner=DeferredRowsSavePlanner(deferred),
-                process_group=group,
-                no_dist=group is None,
-            )
-    finally:
-        gather.join()
-    if deferred.pending != deferred.waited:  # an entry written unfilled: never publish it
-        raise CheckpointError(f"checkpoint {path!r}: rows of a KV table were not written")
+    with comm.single_process_ok():
+        dcp.save(
+            state,
+            storage_writer=dcp.FileSystemWriter(tmp, thread_count=thread_count),
+            process_group=group,
+            no_dist=group is None,
+        )
     comm.barrier(group)
     error = None
     if comm.rank(group) == 0:

@@ -79,7 +79,7 @@ def _register(
             return
         if not sharded:
             for layout in layouts:
-                for key, value in table_state(layout.table, deferrable=True).items():
+                for key, value in table_state(layout.table).items():
                     destination[f"{prefix}{attribute}.{layout.name}.{key}"] = value
             return
         for name, entries in sharded_entries(layouts, group).items():

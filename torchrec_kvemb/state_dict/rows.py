@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 import torch
 
 from torchrec_kvemb.dispatch import route_bucket
-from torchrec_kvemb.state_dict import deferred as deferred_module
 from torchrec_kvemb.table import KVTable
 
 #: Optimizer state names of every supported optimizer (``FusedOptimConfig.state_names``).
@@ -71,18 +70,12 @@ def bucket_order(ids: torch.Tensor, num_buckets: int) -> tuple[torch.Tensor, tor
     return order, buckets
 
 
-def table_state(table: KVTable, deferrable: bool = False) -> dict[str, torch.Tensor]:
+def table_state(table: KVTable) -> dict[str, torch.Tensor]:
     """A table's state_dict entries (key suffixes after ``embedding_bags.<table>.``),
     rows sorted by routing bucket, then id. A table on the ``meta`` device gives
-    empty entries of the right dims and dtypes, on ``meta``. ``deferrable``: within
-    :func:`~torchrec_kvemb.state_dict.deferred.deferred_rows`, the row entries of a
-    table in memory only are filled later (``deferred.py``)."""
+    empty entries of the right dims and dtypes, on ``meta``."""
     num_buckets = table.options.total_num_buckets
-    deferred = deferred_module.active() if deferrable else None
-    if deferred is not None and table.ssd is None and table.device.type != "meta":
-        data = _deferred_rows(table, deferred)
-    else:
-        data = table_rows(table)
+    data = table_rows(table)
     out = {"weight": data["weights"], "weight_id": data["ids"], "weight_score": data["scores"]}
     for name in table.optim.state_names():
         out[name] = data[name]
@@ -112,22 +105,6 @@ def table_rows(table: KVTable) -> dict[str, torch.Tensor]:
     for name, shape in table.optim.state_shapes(table.dim).items():
         out[name] = torch.empty(0, *shape, dtype=torch.float32, device=meta)
     return out
-
-
-def _deferred_rows(table: KVTable, deferred) -> dict[str, torch.Tensor]:
-    """``table_rows(table)`` with the rows, scores and state left to ``deferred``."""
-    ids, slots = table.export_order(table.options.total_num_buckets)
-    n, device = ids.numel(), table.device
-    if n == 0:
-        return {"ids": ids, **table.rows_of_slots(slots)}
-    rows = {
-        "weights": torch.empty(n, table.dim, dtype=table.weights.dtype, device=device),
-        "scores": torch.empty(n, dtype=torch.int64, device=device),
-    }
-    for name, shape in table.optim.state_shapes(table.dim).items():
-        rows[name] = torch.empty(n, *shape, dtype=table.state.dtype, device=device)
-    deferred.add(table, slots, rows)
-    return {"ids": ids, **rows}
 
 
 def admission_state(table: KVTable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
