@@ -9,8 +9,9 @@ row-wise Adagrad (one float of state per row). Bytes of a checkpoint: per row
 * ``save``: ``checkpoint.save(model, path)``: ``state_dict()`` (every table's
   export, sorted by routing bucket), DCP's writes, fsync, rename, marker.
 * ``load``: ``checkpoint.load(fresh_model, path)`` after the checkpoint's files
-  are dropped from the page cache (``posix_fadvise(DONTNEED)``): metadata,
-  reads, checks, inserts into the tables. The fresh model's table memory is
+  are dropped from the page cache (``posix_fadvise(DONTNEED)``): metadata, the
+  ids and scores, checks, then the rows read in blocks, each placed into its
+  table as it is read. The fresh model's table memory is
   touched before the clock starts: a new table's zeros are allocated lazily, and
   the first write of every page (``first touch`` in the report) is the model's
   cost, paid by the load or by the first training steps.
@@ -19,8 +20,8 @@ row-wise Adagrad (one float of state per row). Bytes of a checkpoint: per row
   in the same run, beside the checkpoint, on the same file system.
 
 Throughput is checkpoint bytes per second; the ratio is against the disk's
-rate in the same direction (target: 0.5x or better). The figure is the median
-of ``repeats`` runs.
+rate in the same direction (targets: save 0.7x, load 0.5x or better). The figure
+is the median of ``repeats`` runs.
 
 Run from the repository root::
 
@@ -58,8 +59,9 @@ from benchmarks.common import (
 )
 from torchrec_kvemb import KVEmbeddingBagCollection, KVTableOptions, checkpoint
 
-#: Checkpoint throughput must reach this fraction of the disk's sequential rate.
-TARGET = 0.5
+#: Checkpoint throughput must reach this fraction of the disk's sequential rate
+#: in the same direction (issue 13).
+TARGETS = {"save": 0.7, "load": 0.5}
 BLOCK = 8 << 20
 
 
@@ -229,20 +231,20 @@ def rows_of(result: CheckpointBenchResult) -> list[tuple[str, ...]]:
     out = []
     for what, disk in (("save", "disk write"), ("load", "disk read")):
         ratio = result.rate(what) / result.rate(disk)
-        verdict = "met" if ratio >= TARGET else "missed"
+        verdict = "met" if ratio >= TARGETS[what] else "missed"
         out.append(
             (
                 what,
                 f"{result.seconds[what]:.2f}",
                 f"{result.rate(what):.2f}",
                 f"{result.rate(disk):.2f}",
-                f"{ratio:.2f}x ({verdict})",
+                f"{ratio:.2f}x (>= {TARGETS[what]}x: {verdict})",
             )
         )
     return out
 
 
-HEADERS = ("operation", "s", "GB/s", "disk GB/s", f"vs disk (target {TARGET}x)")
+HEADERS = ("operation", "s", "GB/s", "disk GB/s", "vs disk (target)")
 
 
 def report(result: CheckpointBenchResult) -> str:

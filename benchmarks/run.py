@@ -185,7 +185,7 @@ def run_checkpoint(quick: bool) -> tuple[list[Row], object]:
     result = checkpoint.main(["--quick"] if quick else [])
     rows = [
         Row("checkpoint", f"{what} / {disk}", result.rate(what), result.rate(disk), "GB/s",
-            checkpoint.TARGET)
+            checkpoint.TARGETS[what])
         for what, disk in (("save", "disk write"), ("load", "disk read"))
     ]  # fmt: skip
     return rows, result

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from torchrec_kvemb import EvictionPolicy, Initializer, KVInputError, KVTable, KVTableOptions
-from torchrec_kvemb.ops.hashing import index_bucket
+from torchrec_kvemb.ops.hashing import index_bucket, route_bucket
 from torchrec_kvemb.optimizer import FusedOptimConfig, OptimKind
 from torchrec_kvemb.options import WAYS
 from torchrec_kvemb.table import bytes_per_row
@@ -281,3 +281,24 @@ def test_exact_scores_need_integer_scores_and_change_nothing():
         with pytest.raises(KVInputError, match=r"'exact'.*exact_scores needs an integer"):
             table.insert(torch.tensor([3, 4]), torch.ones(2, 2), scores=scores, exact_scores=True)
     assert all(torch.equal(x, y) for x, y in zip(before, _snapshot(table)))
+
+
+@pytest.mark.parametrize("high", [2**40, 2**63 - 1], ids=["one-sort", "two-sorts"])
+@pytest.mark.parametrize("route_buckets", [None, 1, 7, 4096, 100_003])
+def test_export_order_is_route_bucket_then_id(high, route_buckets):
+    """Both ways of ordering an export (one sort of a bucket-and-id key when the ids
+    leave room for it, else two sorts) give (routing bucket, id) order and the slots."""
+    table = KVTable("t", 4, KVTableOptions(capacity=5000))
+    g = torch.Generator().manual_seed(route_buckets or 0)
+    ids = torch.unique(torch.randint(0, high, (1600,), generator=g))[:1501]
+    ids[-1] = high - 1
+    table.insert(ids, torch.randn(ids.numel(), 4, generator=g))
+    got, slots = table.export_order(route_buckets)
+    stored = table.keys.view(-1)[table.keys.view(-1) >= 0]
+    assert stored.numel() > 1400
+    want = torch.sort(stored).values
+    if route_buckets is not None:
+        want = want[torch.sort(route_bucket(want, route_buckets), stable=True).indices]
+    assert torch.equal(got, want)
+    assert torch.equal(table.keys.view(-1)[slots], got)
+    assert torch.equal(table.export(route_buckets)["ids"], want)

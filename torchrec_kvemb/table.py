@@ -19,9 +19,9 @@ import torch
 
 from torchrec_kvemb import dispatch
 from torchrec_kvemb.contracts import InitSpec, InsertResult, TableStorage, init_spec, seed_mix
+from torchrec_kvemb.dispatch import route_bucket
 from torchrec_kvemb.index import BucketIndex
 from torchrec_kvemb.memory import bytes_per_row, resolve_capacity, table_memory
-from torchrec_kvemb.ops.hashing import route_bucket
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import EvictionPolicy, KVTableOptions
 from torchrec_kvemb.ssd.store import COUNTERS as SSD_COUNTERS
@@ -299,16 +299,31 @@ class KVTable:
         """Every stored id with its row, score and optimizer state, sorted by id (or,
         with ``route_buckets = G``, by routing bucket among ``G``, then id: the
         order of a checkpoint)."""
+        ids, slots = self.export_order(route_buckets)
+        return {"ids": ids, **self.rows_of_slots(slots)}
+
+    def export_order(self, route_buckets: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids, slots)`` of every id stored in memory, in ``export``'s order."""
         slots = self.index.live_slots()
-        ids, order = torch.sort(self.index.ids_at(slots))
+        ids = self.index.ids_at(slots)
+        shift = 63 - max(1, route_buckets or 1).bit_length()
+        if route_buckets is not None and ids.numel() and int(ids.max()) < (1 << shift):
+            # why: ids below 2**shift leave room for the bucket above them in one int64
+            # key (unique, as the ids are): one sort instead of two (1M ids: 40-150 ms).
+            key = route_bucket(ids, route_buckets).bitwise_left_shift_(shift).bitwise_or_(ids)
+            order = torch.sort(key).indices
+            return ids.index_select(0, order), slots.index_select(0, order)
+        ids, order = torch.sort(ids)
         if route_buckets is not None:
             # why before gathering: each row is gathered once (export then reorder
             # gathered twice: 1.3 s instead of 0.6 s for 1M rows of dim 64).
             by_bucket = torch.sort(route_bucket(ids, route_buckets), stable=True).indices
-            ids, order = ids[by_bucket], order[by_bucket]
-        slots = slots[order]
+            ids, order = ids.index_select(0, by_bucket), order.index_select(0, by_bucket)
+        return ids, slots.index_select(0, order)
+
+    def rows_of_slots(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``weights``, ``scores`` and the optimizer state by name of ``slots``."""
         out = {
-            "ids": ids,
             "weights": self.weights.index_select(0, slots),
             "scores": self.index.scores_at(slots),
         }

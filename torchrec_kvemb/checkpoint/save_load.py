@@ -21,6 +21,7 @@ import os
 import uuid
 import warnings
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -45,7 +46,9 @@ from torchrec_kvemb.checkpoint.optimizer_state import (
     restore_learning_rates,
     saved_learning_rates,
 )
+from torchrec_kvemb.checkpoint.placement import WEIGHT, RowPlacer, TablePlacement
 from torchrec_kvemb.checkpoint.reader import ParallelFileSystemReader, RowRangePlanner
+from torchrec_kvemb.checkpoint.row_stream import RowBlock, stream_rows
 from torchrec_kvemb.state_dict import (
     ADMISSION_KEYS,
     ROW_KEYS,
@@ -210,14 +213,20 @@ def load(
     }
     _read(path, {f"{MODEL}.{p}bucket": t for p, t in buckets.items()}, reader, {}, group)
 
-    # 2. Everything: the bucket ranges this rank owns, stock entries into copies.
+    # 2. Everything but the KV tables' rows: ids, scores and counters of the bucket
+    #    ranges this rank owns, stock entries into copies, learning rates, optimizer.
     targets: dict[str, Any] = {}
+    row_shapes: dict[str, torch.Tensor] = {}  # weight and optimizer state (meta): step 4
     row_offsets: dict[str, int] = {}
     for prefix, slot in kv_reads.items():
         start, stop = _row_range(slot, buckets[prefix])
         for key in _saved_row_keys(prefix, saved):
             md = saved[key]
-            targets[key] = torch.empty((stop - start, *md.size[1:]), dtype=md.properties.dtype)
+            shape, dtype = (stop - start, *md.size[1:]), md.properties.dtype
+            if _is_row_entry(key):
+                row_shapes[key] = torch.empty(shape, dtype=dtype, device="meta")
+            else:
+                targets[key] = torch.empty(shape, dtype=dtype)
             row_offsets[key] = start
         for suffix in ("step", *(ADMISSION_KEYS if slot.layout.admission else ())):
             key = f"{MODEL}.{prefix}{suffix}"
@@ -239,20 +248,21 @@ def load(
             if isinstance(md, TensorStorageMetadata)
             else None
         )
-    _read(path, targets, reader, row_offsets, group)
+    _read(path, targets, reader, {k: v for k, v in row_offsets.items() if k in targets}, group)
 
-    # 3. Check what this rank keeps, agree, then change the model.
-    pending: list[tuple[KVTableSlot, TableRows]] = []
+    # 3. Check what this rank keeps (rows by their shapes: not read yet), agree.
+    contents: list[tuple[str, KVTableSlot, TableRows, torch.Tensor | None]] = []
     optim_state = None
     rates: dict[str, float] = {}
     error = None
     try:
         for prefix, slot in kv_reads.items():
-            rows = _rows(prefix, slot, targets)
+            rows, keep = _rows(prefix, slot, {**targets, **row_shapes})
             layout = slot.layout
-            check_table_rows(layout.name, layout.dim, slot.state_shapes, rows, layout.num_buckets)
-            check_fits(slot.layout.table, rows)
-            pending.append((slot, rows))
+            shapes = _shapes_only(rows, keep)
+            check_table_rows(layout.name, layout.dim, slot.state_shapes, shapes, layout.num_buckets)
+            check_fits(slot.layout.table, shapes)
+            contents.append((prefix, slot, rows, keep))
         rates = saved_learning_rates(slots, {p: targets[key] for p, key in lr_keys.items()})
         if optimizer is not None:
             optim_state = optimizer_to_load(
@@ -261,14 +271,94 @@ def load(
     except Exception as e:
         error = e
     comm.agree(error, group)
+
+    # 4. The rows, read in blocks (row_stream.py), each placed into its table as it
+    #    is read (placement.py); a failure on any rank puts every table's rows back.
+    #    Tables with an SSD tier get theirs whole, placed in step 5.
+    placed = [content for content in contents if _placeable(content[1])]
+    placer = RowPlacer(
+        [
+            TablePlacement(
+                slot.layout.table,
+                rows.ids,
+                rows.scores,
+                (WEIGHT, *rows.state),
+                keep,
+                rows.step,
+                rows.admission,
+            )
+            for _, slot, rows, keep in placed
+        ],
+        {
+            f"{MODEL}.{prefix}{entry}": (i, entry)
+            for i, (prefix, _, rows, _) in enumerate(placed)
+            for entry in (WEIGHT, *rows.state)
+        },
+    )
+    whole = {
+        f"{MODEL}.{prefix}{entry}": torch.empty_like(value, device="cpu")
+        for prefix, slot, rows, _ in contents
+        if not _placeable(slot)
+        for entry, value in ((WEIGHT, rows.weights), *rows.state.items())
+    }
+    requests = {key: (row_offsets[key], shape.shape[0]) for key, shape in row_shapes.items()}
+
+    def take(block: RowBlock) -> None:
+        if block.key in whole:
+            whole[block.key][block.start : block.start + block.rows.shape[0]] = block.rows
+            block.release()
+        else:
+            placer.post(block)
+
+    error = None
+    try:
+        with placer.running():
+            stream_rows(reader, metadata, requests, take)
+    except Exception as e:
+        error = CheckpointError(
+            f"checkpoint {path!r}: reading failed on rank {comm.rank(group)}: "
+            f"{type(e).__name__}: {e}; nothing was loaded"
+        )
+        error.__cause__ = e
+    try:
+        comm.agree(error, group)
+    except CheckpointError:
+        placer.rollback()
+        raise
+
+    # 5. Change the model.
     model.load_state_dict({key[len(MODEL) + 1 :]: targets[key] for key in stock_keys}, strict=False)
-    for slot, rows in pending:
-        restore_table(slot.layout.table, rows)
+    placer.commit()
+    for prefix, slot, rows, keep in contents:
+        if not _placeable(slot):
+            rows = _with_rows(rows, prefix, whole)
+            restore_table(slot.layout.table, rows if keep is None else rows.select(keep))
     for key in fused_keys:
         _copy_into(fused_live[key], targets[key])
     restore_learning_rates(slots, rates)
     if optimizer is not None:
         optimizer.load_state_dict(optim_state)
+
+
+def _with_rows(rows: TableRows, prefix: str, whole: Mapping[str, torch.Tensor]) -> TableRows:
+    """``rows`` with the row entries read whole (in place of their shapes)."""
+    return replace(
+        rows,
+        weights=whole[f"{MODEL}.{prefix}{WEIGHT}"],
+        state={name: whole[f"{MODEL}.{prefix}{name}"] for name in rows.state},
+    )
+
+
+def _is_row_entry(key: str) -> bool:
+    """A KV table's ``weight`` or optimizer state entry (read and placed in blocks)."""
+    return key.rpartition(".")[2] in (WEIGHT, *STATE_NAMES)
+
+
+def _placeable(slot: KVTableSlot) -> bool:
+    """Whether the table's rows are placed while they are read: a table in memory only
+    (an SSD tier places rows by score over both tiers, after the whole read)."""
+    table = slot.layout.table
+    return table is not None and table.ssd is None and table.device.type != "meta"
 
 
 def _row_range(slot: KVTableSlot, saved_buckets: torch.Tensor) -> tuple[int, int]:
@@ -288,8 +378,8 @@ def _saved_row_keys(prefix: str, saved: Mapping[str, Any]) -> list[str]:
     return [f"{MODEL}.{prefix}{n}" for n in names if f"{MODEL}.{prefix}{n}" in saved]
 
 
-def _rows(prefix: str, slot: KVTableSlot, targets: dict) -> TableRows:
-    """The rows read for one table, restricted to the ids this rank owns."""
+def _rows(prefix: str, slot: KVTableSlot, targets: dict) -> tuple[TableRows, torch.Tensor | None]:
+    """The rows read for one table and which of them this rank owns (None: all)."""
 
     def get(suffix: str) -> torch.Tensor | None:
         return targets.get(f"{MODEL}.{prefix}{suffix}")
@@ -308,7 +398,27 @@ def _rows(prefix: str, slot: KVTableSlot, targets: dict) -> TableRows:
         step=None if step is None else (int(step[0]), int(step[1])),
         admission=admission,
     )
-    return rows.select(slot.layout.owns(rows.ids))
+    keep = slot.layout.owns(rows.ids)
+    return rows, None if bool(keep.all()) else keep
+
+
+def _shapes_only(rows: TableRows, keep: torch.Tensor | None) -> TableRows:
+    """``rows.select(keep)`` with the row entries as ``meta`` tensors of their shapes
+    (the checks read the ids and scores, and only the shapes of the rest)."""
+    n = rows.ids.numel() if keep is None else int(keep.sum())
+
+    def shaped(t: torch.Tensor) -> torch.Tensor:
+        length = n if t.dim() and t.shape[0] == rows.ids.numel() else t.shape[0]
+        return torch.empty((length, *t.shape[1:]), dtype=t.dtype, device="meta")
+
+    return TableRows(
+        ids=rows.ids if keep is None else rows.ids[keep],
+        weights=shaped(rows.weights),
+        scores=rows.scores if keep is None or rows.scores is None else rows.scores[keep],
+        state={k: shaped(v) for k, v in rows.state.items()},
+        step=rows.step,
+        admission=rows.admission,
+    )
 
 
 def _check_kv_config(

@@ -68,6 +68,7 @@ from torchrec_kvemb.state_dict.rows import (
     restore_table,
     table_rows,
     table_state,
+    warn_dropped,
 )
 from torchrec_kvemb.state_dict.sharded import (
     RowCounts,
@@ -107,4 +108,5 @@ __all__ = [
     "sharded_layouts",
     "table_rows",
     "table_state",
+    "warn_dropped",
 ]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torchrec_kvemb.ops.hashing import route_bucket
+from torchrec_kvemb.dispatch import route_bucket
 
 if TYPE_CHECKING:
     from torchrec_kvemb.state_dict.rows import TableRows
@@ -108,8 +108,9 @@ def _sorted_unique(ids: torch.Tensor, num_buckets: int | None) -> bool:
     if ids.numel() < 2 or num_buckets is None:
         return ids.numel() < 2
     buckets = route_bucket(ids, num_buckets)
-    same = buckets[1:] == buckets[:-1]
-    return bool((buckets[1:] >= buckets[:-1]).all()) and bool((ids[1:] > ids[:-1])[same].all())
+    if not bool((buckets[1:] >= buckets[:-1]).all()):
+        return False
+    return bool(((ids[1:] > ids[:-1]) | (buckets[1:] != buckets[:-1])).all())
 
 
 def check_fits(table: KVTable, rows: TableRows) -> None:

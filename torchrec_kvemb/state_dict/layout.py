@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchrec_kvemb.ops.hashing import route_bucket
+from torchrec_kvemb.dispatch import route_bucket
 from torchrec_kvemb.table import KVTable
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from torchrec_kvemb.ops.hashing import route_bucket
+from torchrec_kvemb.dispatch import route_bucket
 from torchrec_kvemb.table import KVTable
 
 #: Optimizer state names of every supported optimizer (``FusedOptimConfig.state_names``).
@@ -138,9 +138,14 @@ def restore_table(table: KVTable, rows: TableRows) -> int:
     if rows.admission is not None:
         table.load_admission(*rows.admission)
     if lost:
-        warnings.warn(
-            f"table {table.name!r}: {lost} of {rows.ids.numel()} rows found no room "
-            "(their index buckets are full) and were dropped",
-            stacklevel=2,
-        )
+        warn_dropped(table.name, lost, rows.ids.numel(), stacklevel=3)
     return lost
+
+
+def warn_dropped(name: str, lost: int, n: int, stacklevel: int = 2) -> None:
+    """Warn that ``lost`` of the ``n`` rows loaded into table ``name`` found no room."""
+    warnings.warn(
+        f"table {name!r}: {lost} of {n} rows found no room "
+        "(their index buckets are full) and were dropped",
+        stacklevel=stacklevel + 1,
+    )
