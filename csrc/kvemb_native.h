@@ -217,6 +217,13 @@ int kv_insert(const KvInsertArgs* args);
 int kv_place(int64_t* keys, int64_t num_buckets, const int64_t* ids, int64_t n,
              int64_t num_threads, int64_t* slots);
 
+// Stores unique ids [n] with score values in an EMPTY index (index.py
+// BucketIndex.bulk_load): the ids of a bucket take ways 0, 1, ... in input
+// order; when any bucket is given more than 16, every bucket's ids go in rank
+// order (score desc, id asc) and those past 16 get slot -1. slots [n].
+int kv_bulk_load(int64_t* keys, int64_t* scores, int64_t num_buckets, const int64_t* ids,
+                 const int64_t* values, int64_t n, int64_t num_threads, int64_t* slots);
+
 // Copies records[k] of slab [slab_records, words] into out [k, words]; ok[k]:
 // the record holds ids[r] and its checksum matches (ssd/slab.py verify).
 int kv_read_records(const int64_t* slab, int64_t slab_records, int64_t words,

@@ -51,3 +51,52 @@ extern "C" int kv_place(int64_t* keys, int64_t num_buckets, const int64_t* ids, 
     return KV_OUT_OF_MEMORY;
   }
 }
+
+extern "C" int kv_bulk_load(int64_t* keys, int64_t* scores, int64_t num_buckets, const int64_t* ids,
+                            const int64_t* values, int64_t n, int64_t num_threads,
+                            int64_t* slots) {
+  using namespace kvemb;
+  if (n < 0 || num_buckets < 1) return KV_BAD_ARGUMENT;
+  for (int64_t i = 0; i < n; ++i) {
+    if (ids[i] < 0) return KV_NEGATIVE_ID;
+  }
+  try {
+    Arena arena;
+    const FastMod mod(static_cast<uint64_t>(num_buckets));
+    int64_t* bucket = arena.take<int64_t>(n);
+    for (int64_t i = 0; i < n; ++i) bucket[i] = index_bucket(ids[i], mod);
+    BucketOrder order;
+    const int64_t threads = std::max<int64_t>(1, num_threads);
+    order_by_bucket(bucket, ids, n, num_buckets, threads, arena, &order);
+    // Any bucket given more than its ways: every bucket's ids go in rank order
+    // (score desc, id asc), as the torch path's global sort puts them.
+    bool overflow = false;
+    for (int64_t k = 0; k + kWays < order.size() && !overflow; ++k) {
+      overflow = order.items[k].bucket == order.items[k + kWays].bucket;
+    }
+    const bool ok = parallel_for(order.parts, threads, [&](int64_t p, int64_t) {
+      for_each_bucket(order, p, keys, scores, [&](int64_t b, int64_t k0, int64_t k1) {
+        Item* items = order.items;
+        if (overflow) {
+          std::sort(items + k0, items + k1, [&](const Item& x, const Item& y) {
+            const int64_t vx = values[x.index], vy = values[y.index];
+            return vx != vy ? vx > vy : x.key < y.key;
+          });
+        }
+        for (int64_t k = k0; k < k1; ++k) {
+          const int64_t way = k - k0;
+          if (way >= kWays) {
+            slots[items[k].index] = -1;
+            continue;
+          }
+          keys[b * kWays + way] = items[k].key;
+          scores[b * kWays + way] = values[items[k].index];
+          slots[items[k].index] = b * kWays + way;
+        }
+      });
+    });
+    return ok ? KV_OK : KV_OUT_OF_MEMORY;
+  } catch (const std::bad_alloc&) {
+    return KV_OUT_OF_MEMORY;
+  }
+}

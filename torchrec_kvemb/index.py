@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from torchrec_kvemb import dispatch
-from torchrec_kvemb.contracts import InsertResult, stable_argsort
+from torchrec_kvemb.contracts import InsertResult
 from torchrec_kvemb.options import WAYS
 
 
@@ -133,26 +133,6 @@ class BucketIndex:
         highest scores, then smallest ids, as ``insert`` would rank them.
 
         why not ``insert``: it probes an empty index and ranks every bucket; this is
-        one sort (about 5x faster for 1M rows).
+        one sort (about 5x faster for 1M rows; natively a counting sort, ~10x more).
         """
-        buckets = self.buckets_of(ids)
-        counts = torch.bincount(buckets, minlength=self.num_buckets)
-        if int(counts.max()) > WAYS:
-            order = stable_argsort(ids)
-            order = order[stable_argsort(scores[order], descending=True)]
-            order = order[stable_argsort(buckets[order])]
-        else:
-            order = stable_argsort(buckets)
-        sorted_buckets = buckets[order]
-        starts = torch.cumsum(counts, 0) - counts
-        way = torch.arange(ids.numel(), device=ids.device) - starts[sorted_buckets]
-        fits = way < WAYS
-        if bool(fits.all()):
-            slots = torch.empty_like(order).index_copy_(0, order, sorted_buckets * WAYS + way)
-            src = None
-        else:
-            src = order[fits]
-            slots = sorted_buckets[fits] * WAYS + way[fits]
-        self.keys.view(-1).index_copy_(0, slots, ids if src is None else ids[src])
-        self.scores.view(-1).index_copy_(0, slots, scores if src is None else scores[src])
-        return src, slots
+        return dispatch.bulk_load(self.keys, self.scores, ids, scores)

@@ -17,7 +17,7 @@ from torchrec_kvemb import dispatch
 from torchrec_kvemb.ops import native
 from torchrec_kvemb.ops.hashing import index_bucket
 from torchrec_kvemb.ops.insert import insert_torch
-from torchrec_kvemb.ops.place import place_torch
+from torchrec_kvemb.ops.place import bulk_load_torch, place_torch
 from torchrec_kvemb.options import WAYS
 from torchrec_kvemb.validation import KVInputError
 
@@ -162,3 +162,26 @@ def test_place_negative_id_is_refused_and_nothing_changes() -> None:
     with pytest.raises(KVInputError, match="ids must be >= 0"):
         native.place(keys, torch.tensor([10**6, -1]))
     assert torch.equal(keys, before)
+
+
+# -------------------------------------------------------------- bulk load
+@pytest.mark.parametrize("per_bucket", [5.3, 15.9, 21.7], ids=["sparse", "nearly-full", "overflow"])
+@pytest.mark.parametrize("num_buckets", [1, 7, 1_031])
+def test_bulk_load_matches_bulk_load_torch(per_bucket: float, num_buckets: int) -> None:
+    """Unique ids with tied scores into an empty index: the same keys, scores and
+    slots (per input id) as the torch path, rows left out where a bucket overflows."""
+    gen = torch.Generator().manual_seed(num_buckets)
+    n = int(per_bucket * num_buckets)
+    ids = torch.randperm(50 * n + 100, generator=gen)[:n] * 7 + 3
+    values = torch.randint(0, 4, (n,), generator=gen)
+    empty = torch.full((num_buckets, WAYS), -1, dtype=torch.int64)
+    want_keys, want_scores = empty.clone(), torch.zeros_like(empty)
+    src, slots = bulk_load_torch(want_keys, want_scores, ids, values)
+    want = torch.full((n,), -1, dtype=torch.int64)
+    want[src if src is not None else torch.arange(n)] = slots
+    keys, scores = empty.clone(), torch.zeros_like(empty)
+    got = native.bulk_load(keys, scores, ids, values)
+    assert torch.equal(got, want)
+    assert torch.equal(keys, want_keys) and torch.equal(scores, want_scores)
+    if per_bucket > WAYS:
+        assert int((got < 0).sum()) > 0  # the overflow branch was compared

@@ -253,6 +253,7 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
     lib.kv_fused_backward_group.argtypes = [ctypes.POINTER(_BackwardArgs)]
     lib.kv_insert.argtypes = [ctypes.POINTER(_InsertArgs)]
     lib.kv_read_records.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR]
+    lib.kv_bulk_load.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR]
     lib.kv_place.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _PTR]
     lib.kv_record_checksum.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
     lib.kv_write_records.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64]
@@ -264,6 +265,7 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
         lib.kv_fused_backward_group,
         lib.kv_insert,
         lib.kv_place,
+        lib.kv_bulk_load,
         lib.kv_read_records,
         lib.kv_record_checksum,
         lib.kv_write_records,
@@ -535,6 +537,32 @@ def place(keys: torch.Tensor, ids: torch.Tensor, num_threads: int | None = None)
         slots.data_ptr(),
     )
     _check_status(status, "place")
+    return slots
+
+
+def bulk_load(
+    keys: torch.Tensor,
+    scores: torch.Tensor,
+    ids: torch.Tensor,
+    values: torch.Tensor,
+    num_threads: int | None = None,
+) -> torch.Tensor:
+    """``BucketIndex.bulk_load`` natively: unique ``ids`` (>= 0) with score ``values``
+    into the EMPTY index ``keys`` / ``scores``; slots ``[n]``, -1 for the ids a full
+    bucket left out (the same slots as the torch path)."""
+    n = ids.numel()
+    slots = torch.empty(n, dtype=torch.int64)
+    status = _lib().kv_bulk_load(
+        _tensor(keys, "keys", torch.int64, (-1, WAYS)),
+        _tensor(scores, "scores", torch.int64, tuple(keys.shape)),
+        keys.shape[0],
+        _tensor(ids, "ids", torch.int64, (-1,)),
+        _tensor(values, "values", torch.int64, (n,)),
+        n,
+        _threads(num_threads, n),
+        slots.data_ptr(),
+    )
+    _check_status(status, "bulk_load")
     return slots
 
 
@@ -935,6 +963,7 @@ __all__ = [
     "VARIANTS",
     "available",
     "built_variants",
+    "bulk_load",
     "fused_backward_group",
     "index_bucket",
     "init_uniform",
