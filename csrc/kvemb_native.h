@@ -230,6 +230,12 @@ int kv_read_records(const int64_t* slab, int64_t slab_records, int64_t words,
                     const int64_t* records, int64_t k, const int64_t* ids, int64_t num_threads,
                     int64_t* out, uint8_t* ok);
 
+// dest[slots[r], :width] = rows[r, :width] for r in [0, k) (float32; row
+// strides in floats); refuses a slot outside [0, dest_rows) before writing.
+int kv_scatter_rows(float* dest, int64_t dest_rows, int64_t dest_stride, int64_t width,
+                    const int64_t* slots, int64_t k, const float* rows, int64_t rows_stride,
+                    int64_t num_threads);
+
 // Checksums [k] of slab records block [k, words] (ssd/slab.py checksum).
 int kv_record_checksum(const int64_t* block, int64_t k, int64_t words, int64_t num_threads,
                        int64_t* out);

@@ -497,9 +497,9 @@ class KVTable:
 
     def set_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Write ``[n, dim + state_dim]`` rows (weights, then state) at ``slots``."""
-        self.weights.index_copy_(0, slots, rows[:, : self.dim].to(self.weights.dtype))
+        dispatch.scatter_rows(self.weights, slots, rows[:, : self.dim].to(self.weights.dtype))
         if self.state_dim:
-            self.state.index_copy_(0, slots, rows[:, self.dim :])
+            dispatch.scatter_rows(self.state, slots, rows[:, self.dim :])
 
     # ------------------------------------------------ whole-content operations
     def clear(self) -> None:

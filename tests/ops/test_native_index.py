@@ -185,3 +185,23 @@ def test_bulk_load_matches_bulk_load_torch(per_bucket: float, num_buckets: int) 
     assert torch.equal(keys, want_keys) and torch.equal(scores, want_scores)
     if per_bucket > WAYS:
         assert int((got < 0).sum()) > 0  # the overflow branch was compared
+
+
+# ------------------------------------------------------------ row scatter
+@pytest.mark.parametrize("width", [1, 7, 64], ids=lambda w: f"width{w}")
+def test_scatter_rows_matches_index_copy(width: int) -> None:
+    """Rows into random slots of a wider array's column block (a row stride that is
+    not the width), against ``index_copy_``; a slot outside the array is refused
+    before anything is written."""
+    gen = torch.Generator().manual_seed(width)
+    base = torch.randn(3_001, width + 3, generator=gen)
+    dest = base[:, 1 : 1 + width]  # rows of stride width + 3
+    slots = torch.randperm(3_001, generator=gen)[:2_017]
+    rows = torch.randn(2_017, width, generator=gen)
+    want = dest.clone().index_copy_(0, slots, rows)
+    native.scatter_rows(dest, slots, rows, num_threads=3)
+    assert torch.equal(dest, want)
+    before = base.clone()
+    with pytest.raises(native.NativeOpError, match="scatter_rows"):
+        native.scatter_rows(dest, torch.tensor([5, 3_001]), rows[:2])
+    assert torch.equal(base, before)

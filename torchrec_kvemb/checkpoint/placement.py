@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from torchrec_kvemb import dispatch
 from torchrec_kvemb.checkpoint.row_stream import RowBlock
 from torchrec_kvemb.index import BucketIndex
 from torchrec_kvemb.state_dict import warn_dropped
@@ -116,7 +117,7 @@ class TablePlacement:
             dest = self.table.weights
         else:
             dest = self.table.optim.split_state(self.table.state, self.table.dim)[entry]
-        dest.index_copy_(0, slots, rows.to(dest.device, dest.dtype))
+        dispatch.scatter_rows(dest, slots, rows.to(dest.device, dest.dtype))
         self._placed[entry] = self._placed.get(entry, 0) + stop - start
 
     def unplaced(self) -> list[str]:

@@ -254,6 +254,7 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
     lib.kv_insert.argtypes = [ctypes.POINTER(_InsertArgs)]
     lib.kv_read_records.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR]
     lib.kv_bulk_load.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR]
+    lib.kv_scatter_rows.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _I64]
     lib.kv_place.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _PTR]
     lib.kv_record_checksum.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
     lib.kv_write_records.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64]
@@ -266,6 +267,7 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
         lib.kv_insert,
         lib.kv_place,
         lib.kv_bulk_load,
+        lib.kv_scatter_rows,
         lib.kv_read_records,
         lib.kv_record_checksum,
         lib.kv_write_records,
@@ -564,6 +566,33 @@ def bulk_load(
     )
     _check_status(status, "bulk_load")
     return slots
+
+
+def scatter_rows(
+    dest: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, num_threads: int | None = None
+) -> None:
+    """``dest.index_copy_(0, slots, rows)`` for float32 ``dest [N, w]`` and ``rows [k, w]``
+    whose rows are contiguous (any row stride); ``slots`` in ``[0, N)``."""
+    k = slots.numel()
+    for name, t in (("dest", dest), ("rows", rows)):
+        if t.dtype != torch.float32 or t.dim() != 2 or t.device.type != "cpu":
+            raise ValueError(f"native op: {name} must be a 2-D float32 CPU tensor")
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            raise ValueError(f"native op: {name}'s rows must be contiguous")
+    if rows.shape != (k, dest.shape[1]):
+        raise ValueError(f"native op: rows must have shape ({k}, {dest.shape[1]})")
+    status = _lib().kv_scatter_rows(
+        dest.data_ptr(),
+        dest.shape[0],
+        dest.stride(0),
+        dest.shape[1],
+        _tensor(slots, "slots", torch.int64, (k,)),
+        k,
+        rows.data_ptr(),
+        rows.stride(0),
+        _threads(num_threads, k * dest.shape[1]),
+    )
+    _check_status(status, "scatter_rows")
 
 
 # ------------------------------------------------------------ slab records
@@ -975,6 +1004,7 @@ __all__ = [
     "lookup_train_group",
     "read_records",
     "record_checksum",
+    "scatter_rows",
     "unavailable_reason",
     "use_native",
     "variant",
