@@ -1,7 +1,7 @@
-// Placement of absent ids into the empty ways of their buckets
-// (torchrec_kvemb/index.py BucketIndex.place): per bucket, in the given
-// order, the ids take the empty ways in ascending order, or, when they do not
-// all fit, none of them does (slot -1). Scores are not touched.
+// Placement of ids into empty ways without ranking (torchrec_kvemb/ops/place.py):
+// kv_place puts absent ids into the empty ways of their buckets (per bucket, in
+// the given order, ascending ways, or, when they do not all fit, none of them:
+// slot -1; scores untouched); kv_bulk_load fills an empty index at once.
 #include <algorithm>
 #include <new>
 #include <vector>
@@ -13,21 +13,36 @@
 #include "parallel.h"
 #include "workspace.h"
 
-extern "C" int kv_place(int64_t* keys, int64_t num_buckets, const int64_t* ids, int64_t n,
-                        int64_t num_threads, int64_t* slots) {
-  using namespace kvemb;
+namespace {
+
+int check_ids(const int64_t* ids, int64_t n, int64_t num_buckets) {
   if (n < 0 || num_buckets < 1) return KV_BAD_ARGUMENT;
   for (int64_t i = 0; i < n; ++i) {
     if (ids[i] < 0) return KV_NEGATIVE_ID;
   }
+  return KV_OK;
+}
+
+// The ids [0, n) by index bucket (then input order). Throws std::bad_alloc.
+void order_ids(const int64_t* ids, int64_t n, int64_t num_buckets, int64_t threads,
+               kvemb::Arena& arena, kvemb::BucketOrder* order) {
+  const kvemb::FastMod mod(static_cast<uint64_t>(num_buckets));
+  int64_t* bucket = arena.take<int64_t>(n);
+  for (int64_t i = 0; i < n; ++i) bucket[i] = kvemb::index_bucket(ids[i], mod);
+  kvemb::order_by_bucket(bucket, ids, n, num_buckets, threads, arena, order);
+}
+
+}  // namespace
+
+extern "C" int kv_place(int64_t* keys, int64_t num_buckets, const int64_t* ids, int64_t n,
+                        int64_t num_threads, int64_t* slots) {
+  using namespace kvemb;
+  if (const int status = check_ids(ids, n, num_buckets); status != KV_OK) return status;
   try {
     Arena arena;
-    const FastMod mod(static_cast<uint64_t>(num_buckets));
-    int64_t* bucket = arena.take<int64_t>(n);
-    for (int64_t i = 0; i < n; ++i) bucket[i] = index_bucket(ids[i], mod);
-    BucketOrder order;
     const int64_t threads = std::max<int64_t>(1, num_threads);
-    order_by_bucket(bucket, ids, n, num_buckets, threads, arena, &order);
+    BucketOrder order;
+    order_ids(ids, n, num_buckets, threads, arena, &order);
     const bool ok = parallel_for(order.parts, threads, [&](int64_t p, int64_t) {
       for_each_bucket(order, p, keys, nullptr, [&](int64_t bucket, int64_t k0, int64_t k1) {
         int64_t* bucket_keys = keys + bucket * kWays;
@@ -56,18 +71,12 @@ extern "C" int kv_bulk_load(int64_t* keys, int64_t* scores, int64_t num_buckets,
                             const int64_t* values, int64_t n, int64_t num_threads,
                             int64_t* slots) {
   using namespace kvemb;
-  if (n < 0 || num_buckets < 1) return KV_BAD_ARGUMENT;
-  for (int64_t i = 0; i < n; ++i) {
-    if (ids[i] < 0) return KV_NEGATIVE_ID;
-  }
+  if (const int status = check_ids(ids, n, num_buckets); status != KV_OK) return status;
   try {
     Arena arena;
-    const FastMod mod(static_cast<uint64_t>(num_buckets));
-    int64_t* bucket = arena.take<int64_t>(n);
-    for (int64_t i = 0; i < n; ++i) bucket[i] = index_bucket(ids[i], mod);
-    BucketOrder order;
     const int64_t threads = std::max<int64_t>(1, num_threads);
-    order_by_bucket(bucket, ids, n, num_buckets, threads, arena, &order);
+    BucketOrder order;
+    order_ids(ids, n, num_buckets, threads, arena, &order);
     // Any bucket given more than its ways: every bucket's ids go in rank order
     // (score desc, id asc), as the torch path's global sort puts them.
     bool overflow = false;
