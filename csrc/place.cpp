@@ -23,13 +23,25 @@ int check_ids(const int64_t* ids, int64_t n, int64_t num_buckets) {
   return KV_OK;
 }
 
-// The ids [0, n) by index bucket (then input order). Throws std::bad_alloc.
-void order_ids(const int64_t* ids, int64_t n, int64_t num_buckets, int64_t threads,
-               kvemb::Arena& arena, kvemb::BucketOrder* order) {
-  const kvemb::FastMod mod(static_cast<uint64_t>(num_buckets));
-  int64_t* bucket = arena.take<int64_t>(n);
-  for (int64_t i = 0; i < n; ++i) bucket[i] = kvemb::index_bucket(ids[i], mod);
-  kvemb::order_by_bucket(bucket, ids, n, num_buckets, threads, arena, order);
+// Checks the ids, orders them by index bucket (then input order) and calls
+// fn(order, threads), which returns whether its parallel work had memory; a
+// KvStatus.
+template <class F>
+int with_ids_by_bucket(const int64_t* ids, int64_t n, int64_t num_buckets, int64_t num_threads,
+                       F&& fn) {
+  if (const int status = check_ids(ids, n, num_buckets); status != KV_OK) return status;
+  try {
+    kvemb::Arena arena;
+    const kvemb::FastMod mod(static_cast<uint64_t>(num_buckets));
+    int64_t* bucket = arena.take<int64_t>(n);
+    for (int64_t i = 0; i < n; ++i) bucket[i] = kvemb::index_bucket(ids[i], mod);
+    const int64_t threads = std::max<int64_t>(1, num_threads);
+    kvemb::BucketOrder order;
+    kvemb::order_by_bucket(bucket, ids, n, num_buckets, threads, arena, &order);
+    return fn(order, threads) ? KV_OK : KV_OUT_OF_MEMORY;
+  } catch (const std::bad_alloc&) {
+    return KV_OUT_OF_MEMORY;
+  }
 }
 
 }  // namespace
@@ -37,13 +49,9 @@ void order_ids(const int64_t* ids, int64_t n, int64_t num_buckets, int64_t threa
 extern "C" int kv_place(int64_t* keys, int64_t num_buckets, const int64_t* ids, int64_t n,
                         int64_t num_threads, int64_t* slots) {
   using namespace kvemb;
-  if (const int status = check_ids(ids, n, num_buckets); status != KV_OK) return status;
-  try {
-    Arena arena;
-    const int64_t threads = std::max<int64_t>(1, num_threads);
-    BucketOrder order;
-    order_ids(ids, n, num_buckets, threads, arena, &order);
-    const bool ok = parallel_for(order.parts, threads, [&](int64_t p, int64_t) {
+  return with_ids_by_bucket(ids, n, num_buckets, num_threads, [&](BucketOrder& order,
+                                                                  int64_t threads) {
+    return parallel_for(order.parts, threads, [&](int64_t p, int64_t) {
       for_each_bucket(order, p, keys, nullptr, [&](int64_t bucket, int64_t k0, int64_t k1) {
         int64_t* bucket_keys = keys + bucket * kWays;
         uint32_t empty = match(bucket_keys, kEmpty);
@@ -61,29 +69,22 @@ extern "C" int kv_place(int64_t* keys, int64_t num_buckets, const int64_t* ids, 
         }
       });
     });
-    return ok ? KV_OK : KV_OUT_OF_MEMORY;
-  } catch (const std::bad_alloc&) {
-    return KV_OUT_OF_MEMORY;
-  }
+  });
 }
 
 extern "C" int kv_bulk_load(int64_t* keys, int64_t* scores, int64_t num_buckets, const int64_t* ids,
                             const int64_t* values, int64_t n, int64_t num_threads,
                             int64_t* slots) {
   using namespace kvemb;
-  if (const int status = check_ids(ids, n, num_buckets); status != KV_OK) return status;
-  try {
-    Arena arena;
-    const int64_t threads = std::max<int64_t>(1, num_threads);
-    BucketOrder order;
-    order_ids(ids, n, num_buckets, threads, arena, &order);
+  return with_ids_by_bucket(ids, n, num_buckets, num_threads, [&](BucketOrder& order,
+                                                                  int64_t threads) {
     // Any bucket given more than its ways: every bucket's ids go in rank order
     // (score desc, id asc), as the torch path's global sort puts them.
     bool overflow = false;
     for (int64_t k = 0; k + kWays < order.size() && !overflow; ++k) {
       overflow = order.items[k].bucket == order.items[k + kWays].bucket;
     }
-    const bool ok = parallel_for(order.parts, threads, [&](int64_t p, int64_t) {
+    return parallel_for(order.parts, threads, [&](int64_t p, int64_t) {
       for_each_bucket(order, p, keys, scores, [&](int64_t b, int64_t k0, int64_t k1) {
         Item* items = order.items;
         if (overflow) {
@@ -104,8 +105,5 @@ extern "C" int kv_bulk_load(int64_t* keys, int64_t* scores, int64_t num_buckets,
         }
       });
     });
-    return ok ? KV_OK : KV_OUT_OF_MEMORY;
-  } catch (const std::bad_alloc&) {
-    return KV_OUT_OF_MEMORY;
-  }
+  });
 }

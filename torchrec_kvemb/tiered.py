@@ -51,6 +51,13 @@ from torchrec_kvemb.table import KVTable, max_per_unique
 from torchrec_kvemb.validation import check_ids
 
 
+def _scores_at(before: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+    """The scores ``slots`` held in ``before`` (``TieredKVTable._scores_before``: the
+    scores of some buckets before an insert)."""
+    buckets, scores = before
+    return scores[torch.searchsorted(buckets, slots // WAYS), slots % WAYS]
+
+
 class TieredKVTable(KVTable, serves_ssd=True):
     """A :class:`~torchrec_kvemb.table.KVTable` over an SSD tier (``options.ssd``): see
     the module docstring; ``flush()`` makes every row durable, ``close()`` too."""
@@ -167,7 +174,9 @@ class TieredKVTable(KVTable, serves_ssd=True):
         moved = (slots_u[found] >= 0) | no_room[found]  # leaves the SSD tier
         self._store.remove(ssd_slots[moved.cpu()])
         promoted = (slots_u[found] >= 0).nonzero().squeeze(1)
-        self._demote(result.evicted_ids, result.evicted_slots, before)
+        self._demote(
+            result.evicted_ids, result.evicted_slots, _scores_at(before, result.evicted_slots)
+        )
         self._promote(slots_u[found[promoted]], ssd_rows[promoted], promoted_scores[promoted])
         self.count("inserts", -promoted.numel())
         inserted_u[found[promoted]] = False
@@ -197,6 +206,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
         found, ssd_slots, ssd_scores, ssd_rows = self._fetch(
             miss_ids, torch.arange(miss_ids.numel())
         )
+        ssd_ids = miss_ids[found]  # ascending, as the kernel wants them
         self._reserve(miss_ids.numel())  # every eviction makes room for a missed id
         self.step += 1
         counter = None
@@ -215,7 +225,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
             None if custom_scores is None else [True],
             counter,
             workspace=self._workspace,
-            tier=native.TierPromotion(miss_ids[found], ssd_scores),
+            tier=native.TierPromotion(ssd_ids, ssd_scores),
         )
         for name, value in zip(native.METRIC_NAMES, out.metrics[0].tolist(), strict=True):
             self.count(name, value)
@@ -227,7 +237,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
         self._demote(out.evicted_ids, out.evicted_slots, out.evicted_scores)
         from_ssd = (flags & native.UNIQUE_PROMOTED) != 0
         moved = (from_ssd & (out.unique_slots >= 0)).nonzero().squeeze(1)
-        at = torch.searchsorted(miss_ids[found], out.unique_ids[moved])
+        at = torch.searchsorted(ssd_ids, out.unique_ids[moved])
         self.set_rows(out.unique_slots[moved], ssd_rows[at])
         self.count("promotions", moved.numel())
         new = (flags & native.UNIQUE_INSERTED).nonzero().squeeze(1)
@@ -240,7 +250,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
         state = torch.zeros(pad.numel(), self.state_dim)
         rows = torch.cat([self.initial_rows(pad_ids), state], dim=1)
         back = from_ssd[pad].nonzero().squeeze(1)
-        rows[back] = ssd_rows[torch.searchsorted(miss_ids[found], pad_ids[back])].to(rows.dtype)
+        rows[back] = ssd_rows[torch.searchsorted(ssd_ids, pad_ids[back])].to(rows.dtype)
         slots_u = out.unique_slots.clone()
         slots_u[pad] = self._pad.write(rows, pad_ids, out.unique_scores[pad])
         self._store.counters["scratch_rows"] += pad.numel()
@@ -295,7 +305,9 @@ class TieredKVTable(KVTable, serves_ssd=True):
         slots_u[found] = found_slots
         promoted = (found_slots >= 0).nonzero().squeeze(1)
         self._store.remove(ssd_slots[promoted.cpu()])
-        self._demote(result.evicted_ids, result.evicted_slots, before)
+        self._demote(
+            result.evicted_ids, result.evicted_slots, _scores_at(before, result.evicted_slots)
+        )
         self._promote(found_slots[promoted], ssd_rows[promoted], ssd_scores[promoted])
         left = (found_slots < 0).nonzero().squeeze(1)
         if left.numel():  # a read-only copy: their rows stay on the SSD tier
@@ -334,7 +346,9 @@ class TieredKVTable(KVTable, serves_ssd=True):
         before = self._scores_before(ids)
         result = self.insert_ids(ids, values)
         self.count("inserts", -int(result.inserted[held].sum()))  # they were stored
-        self._demote(result.evicted_ids, result.evicted_slots, before)
+        self._demote(
+            result.evicted_ids, result.evicted_slots, _scores_at(before, result.evicted_slots)
+        )
         held_slots = result.slots[held]
         placed = held_slots >= 0
         self.index.set_scores(held_slots[placed], held_scores[placed])
@@ -509,19 +523,13 @@ class TieredKVTable(KVTable, serves_ssd=True):
         self,
         evicted_ids: torch.Tensor,
         evicted_slots: torch.Tensor,
-        before: tuple[torch.Tensor, torch.Tensor] | torch.Tensor,
+        memory_scores: torch.Tensor,
     ) -> None:
-        """Write the rows evicted from memory to the SSD tier (call before their
-        slots are refilled). ``before``: their scores, or the scores of their
-        buckets before the insert (``_scores_before``)."""
+        """Write the rows evicted from memory, with their in-memory scores, to the SSD
+        tier (call before their slots are refilled)."""
         if evicted_ids.numel() == 0:
             return
-        if isinstance(before, torch.Tensor):
-            memory_scores = before.cpu()
-        else:
-            buckets, scores = before
-            row = torch.searchsorted(buckets, evicted_slots // WAYS)
-            memory_scores = scores[row, evicted_slots % WAYS].cpu()
+        memory_scores = memory_scores.cpu()
         rows = self.rows_at(evicted_slots)
         self._store.put(
             evicted_ids.cpu(), memory_scores, self._ssd_scores(memory_scores), rows.cpu()

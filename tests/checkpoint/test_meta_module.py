@@ -6,15 +6,14 @@ CPU gives the same training as a model built on CPU."""
 
 import pytest
 import torch
-import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from tests.checkpoint.one_rank_dmp import shard_on_one_rank
 from torchrec_kvemb import (
     KVEmbeddingBagCollection,
     KVEmbeddingBagCollectionSharder,
@@ -125,12 +124,7 @@ class Model(nn.Module):
 
 def shard(model: nn.Module, sharding: str) -> DistributedModelParallel:
     sharders = [KVEmbeddingBagCollectionSharder(module_type=KVEmbeddingBagCollection)]
-    constraints = {c.name: ParameterConstraints(sharding_types=[sharding]) for c in CONFIGS}
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=1, compute_device="cpu"), constraints=constraints
-    )
-    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
-    return DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    return shard_on_one_rank(model, sharders, [c.name for c in CONFIGS], sharding)
 
 
 @pytest.mark.parametrize("sharding", ["row_wise", "table_wise"])

@@ -90,14 +90,20 @@ def _unchanged_keys() -> list[str]:
     return keys + [f"export.{k}" for k in ("ids", "weights", "scores", "momentum1")]
 
 
-@pytest.mark.parametrize("fail_at", [1, 4, 9])
-def test_read_error_mid_stream_changes_nothing(tmp_path, small_blocks, monkeypatch, fail_at):
+def saved_and_trained_target(tmp_path):
+    """A trained model saved to ``tmp_path / "ckpt"``, another trained model to load
+    it into, and that model's arrays before the load."""
     source = build()
     train(source, range(5))
     checkpoint.save(source, tmp_path / "ckpt")
     target = build()
     train(target, range(20, 24))
-    before = arrays(target)
+    return source, target, arrays(target)
+
+
+@pytest.mark.parametrize("fail_at", [1, 4, 9])
+def test_read_error_mid_stream_changes_nothing(tmp_path, small_blocks, monkeypatch, fail_at):
+    source, target, before = saved_and_trained_target(tmp_path)
     placed = {"n": 0}
     real_place = placement.TablePlacement.place
 
@@ -130,12 +136,7 @@ def test_read_error_mid_stream_changes_nothing(tmp_path, small_blocks, monkeypat
 
 
 def test_placing_error_changes_nothing(tmp_path, small_blocks, monkeypatch):
-    source = build()
-    train(source, range(5))
-    checkpoint.save(source, tmp_path / "ckpt")
-    target = build()
-    train(target, range(20, 24))
-    before = arrays(target)
+    _, target, before = saved_and_trained_target(tmp_path)
     real_place = placement.TablePlacement.place
     calls = {"n": 0}
 

@@ -5,14 +5,13 @@ the same outputs, keyed as TorchRec keys them (``feature@table``)."""
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from tests.checkpoint.one_rank_dmp import shard_on_one_rank
 from tests.checkpoint.test_state_dict import ADAGRAD
 from torchrec_kvemb import (
     KVEmbeddingBagCollection,
@@ -56,12 +55,7 @@ def batch(step: int) -> KeyedJaggedTensor:
 def sharded(sharding: str) -> DistributedModelParallel:
     model = Model(EmbeddingBagCollection(CONFIGS, device=torch.device("meta")))
     sharders = [KVEmbeddingBagCollectionSharder(OPTIONS, ADAGRAD)]
-    constraints = {c.name: ParameterConstraints(sharding_types=[sharding]) for c in CONFIGS}
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=1, compute_device="cpu"), constraints=constraints
-    )
-    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
-    return DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    return shard_on_one_rank(model, sharders, [c.name for c in CONFIGS], sharding)
 
 
 @pytest.mark.parametrize("sharding", ["row_wise", "table_wise"])

@@ -75,7 +75,7 @@ class _Buffers:
 
 
 def _nothing() -> None:
-    pass
+    """The release of a buffer no pool owns: it is freed with its last reference."""
 
 
 def stream_rows(
@@ -157,7 +157,7 @@ class _OneTarget:
         return self.target
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        pass
+        """DCP's reader filled ``target`` in place: nothing is left to copy."""
 
 
 def _read_with_dcp(reader: dcp.FileSystemReader, item: ReadItem, dtype: torch.dtype):
