@@ -308,7 +308,11 @@ class KVTableGroup:
         custom_scores: torch.Tensor | None,
         custom_tables: Sequence[bool] | None,
     ) -> GroupLookup:
-        """The torch path: ``KVTable.lookup_train`` table by table."""
+        """The torch path: ``KVTable.lookup_train`` table by table (a group of one
+        table alone: its ``lookup_train_rows``, with the unique rows for the native
+        backward where its lookup made them)."""
+        if self.per_table_only:
+            return self._lookup_train_alone(ids, table_idx, custom_scores, custom_tables)
         slots = torch.full_like(ids, -1)
         for t, table in enumerate(self.tables):
             mine = (table_idx == t).nonzero().squeeze(1)
@@ -318,6 +322,40 @@ class KVTableGroup:
             local = table.lookup_train(ids[mine], scores)
             slots[mine] = torch.where(local >= 0, local + self.row_offsets[t], -1)
         return GroupLookup(slots)
+
+    def _lookup_train_alone(
+        self,
+        ids: torch.Tensor,
+        table_idx: torch.Tensor,
+        custom_scores: torch.Tensor | None,
+        custom_tables: Sequence[bool] | None,
+    ) -> GroupLookup:
+        """``lookup_train`` of a group of one table alone (row offset 0): ids of other
+        groups (``table_idx`` -1) get slot -1 and, where the table's lookup gives
+        unique rows, one more unique of slot -1 (no gradient)."""
+        (table,) = self.tables
+        mine = (table_idx == 0).nonzero().squeeze(1)
+        use_custom = custom_scores is not None and (custom_tables is None or custom_tables[0])
+        every = mine.numel() == ids.numel()
+        scores = None
+        if use_custom:
+            scores = custom_scores if every else custom_scores[mine]
+        look = table.lookup_train_rows(ids if every else ids[mine], scores)
+        if every:
+            return look
+        slots = torch.full_like(ids, -1)
+        slots[mine] = look.slots
+        if look.unique_index is None:
+            return GroupLookup(slots)
+        none = look.unique_slots.numel()  # the unique of the other groups' ids
+        unique_index = torch.full_like(ids, none)
+        unique_index[mine] = look.unique_index
+        return GroupLookup(
+            slots,
+            unique_index,
+            torch.cat([look.unique_slots, look.unique_slots.new_full((1,), -1)]),
+            torch.cat([look.unique_table, look.unique_table.new_zeros(1)]),
+        )
 
     def lookup_eval_per_table(self, ids: torch.Tensor, table_idx: torch.Tensor) -> torch.Tensor:
         """The torch path of ``lookup_eval``: ``KVTable.lookup_eval`` table by table."""

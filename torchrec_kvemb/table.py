@@ -18,7 +18,14 @@ from typing import Any, ClassVar
 import torch
 
 from torchrec_kvemb import dispatch
-from torchrec_kvemb.contracts import InitSpec, InsertResult, TableStorage, init_spec, seed_mix
+from torchrec_kvemb.contracts import (
+    GroupLookup,
+    InitSpec,
+    InsertResult,
+    TableStorage,
+    init_spec,
+    seed_mix,
+)
 from torchrec_kvemb.dispatch import route_bucket
 from torchrec_kvemb.index import BucketIndex
 from torchrec_kvemb.memory import bytes_per_row, resolve_capacity, table_memory
@@ -379,6 +386,14 @@ class KVTable:
         self.init_rows_at(slots_u[inserted_u], uniq[inserted_u])
         self.count_hits(ids.numel(), counts, hit_u)
         return slots_u[inverse]
+
+    def lookup_train_rows(
+        self, ids: torch.Tensor, custom_scores: torch.Tensor | None = None
+    ) -> GroupLookup:
+        """``lookup_train`` as a group of this table alone hands it to its backward:
+        the slots, and (where the lookup made them) each id's unique row, for the
+        native fused backward."""
+        return GroupLookup(self.lookup_train(ids, custom_scores))
 
     def lookup_eval(self, ids: torch.Tensor) -> torch.Tensor:
         """Slots for an evaluation batch (read-only); -1 for ids not stored."""

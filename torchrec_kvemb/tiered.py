@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 
 from torchrec_kvemb import dispatch
-from torchrec_kvemb.contracts import GroupLayout
+from torchrec_kvemb.contracts import GroupLayout, GroupLookup
 from torchrec_kvemb.ops import native
 from torchrec_kvemb.ops.hashing import INT64_MAX, route_bucket
 from torchrec_kvemb.optimizer import FusedOptimConfig
@@ -152,7 +152,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
         On the CPU with the native kernels: one find-or-insert pass for the whole
         batch (``_lookup_train_native``), the same outcome."""
         if native.use_native(ids.device) and ids.dtype == torch.int64:
-            return self._lookup_train_native(ids, custom_scores)
+            return self._lookup_train_native(ids, custom_scores).slots
         self._settle()
         uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
         mem_slots = self.index.probe(uniq)
@@ -194,9 +194,19 @@ class TieredKVTable(KVTable, serves_ssd=True):
             self._store.counters["scratch_rows"] += pad.numel()
         return slots_u[inverse]
 
+    def lookup_train_rows(
+        self, ids: torch.Tensor, custom_scores: torch.Tensor | None = None
+    ) -> GroupLookup:
+        """``lookup_train`` with each id's unique row (scratch rows included) where
+        the native kernel looked the batch up: the native fused backward then reduces
+        over them without sorting the slots."""
+        if native.use_native(ids.device) and ids.dtype == torch.int64:
+            return self._lookup_train_native(ids, custom_scores)
+        return GroupLookup(self.lookup_train(ids, custom_scores))
+
     def _lookup_train_native(
         self, ids: torch.Tensor, custom_scores: torch.Tensor | None
-    ) -> torch.Tensor:
+    ) -> GroupLookup:
         """``lookup_train`` by the native group kernel: the batch's ids the SSD tier
         holds go in as promotions (``native.TierPromotion``); the kernel writes no row,
         so evicted rows are demoted before promoted and new rows take their slots."""
@@ -244,7 +254,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
         self.init_rows_at(out.unique_slots[new], out.unique_ids[new])
         pad = ((flags & native.UNIQUE_NO_ROOM) != 0).nonzero().squeeze(1)
         if pad.numel() == 0:
-            return out.slots
+            return GroupLookup(out.slots, out.unique_index, out.unique_slots, out.unique_table)
         pad = pad[torch.argsort(out.unique_ids[pad])]  # the pad holds its ids sorted
         pad_ids = out.unique_ids[pad]
         state = torch.zeros(pad.numel(), self.state_dim)
@@ -254,7 +264,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
         slots_u = out.unique_slots.clone()
         slots_u[pad] = self._pad.write(rows, pad_ids, out.unique_scores[pad])
         self._store.counters["scratch_rows"] += pad.numel()
-        return slots_u[out.unique_index]
+        return GroupLookup(slots_u[out.unique_index], out.unique_index, slots_u, out.unique_table)
 
     def _native_layout(self) -> GroupLayout:
         """This table as a group of one for the native kernel (built once)."""
