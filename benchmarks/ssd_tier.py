@@ -81,6 +81,7 @@ class BenchConfig:
     """Sizes and timing of one run."""
 
     dim: int = 64
+    tables: int = 1  # KV tables (features), each with its own SSD tier
     batch: int = 1024
     bag: int = 20
     rows: int = 2_000_000  # id population (Zipf ranks); the all-in-memory capacity
@@ -101,7 +102,13 @@ class BenchConfig:
 
     @property
     def ids_per_step(self) -> int:
-        return self.batch * self.bag
+        """Ids of one batch, all tables together."""
+        return self.batch * self.bag * self.tables
+
+    @property
+    def names(self) -> list[str]:
+        """Table names: ``t`` (the one whose counters are reported), ``t1``, ..."""
+        return ["t"] + [f"t{i}" for i in range(1, self.tables)]
 
     @property
     def timed_batches(self) -> int:
@@ -160,26 +167,41 @@ class BenchResult:
 
 # --------------------------------------------------------------- training
 def make_batches(config: BenchConfig) -> list[KeyedJaggedTensor]:
+    """Batches of one Zipf bag of ``bag`` ids per sample and feature (``f`` of table
+    ``t``, ``f1`` of ``t1``, ...)."""
     sampler = ZipfIds(config.rows, config.alpha, config.seed)
-    lengths = torch.full((config.batch,), config.bag, dtype=torch.int64)
+    lengths = torch.full((config.batch * config.tables,), config.bag, dtype=torch.int64)
+    features = ["f" + name[1:] for name in config.names]
     return [
-        KeyedJaggedTensor.from_lengths_sync(["f"], sampler.sample(config.ids_per_step), lengths)
+        KeyedJaggedTensor.from_lengths_sync(features, sampler.sample(config.ids_per_step), lengths)
         for _ in range(config.prime + config.timed_batches)
     ]
 
 
 def build(config: BenchConfig, capacity: int, ssd_path: str | None) -> KVEmbeddingBagCollection:
-    table = EmbeddingBagConfig(
-        name="t",
-        embedding_dim=config.dim,
-        num_embeddings=config.rows,
-        feature_names=["f"],
-        pooling=PoolingType.SUM,
-    )
-    ssd = SSDOptions(ssd_path, resume=False) if ssd_path else None
+    """The collection of ``config.tables`` tables of ``capacity`` rows each; with
+    ``ssd_path``, each table's SSD tier in a directory of its own under it."""
+    tables = [
+        EmbeddingBagConfig(
+            name=name,
+            embedding_dim=config.dim,
+            num_embeddings=config.rows,
+            feature_names=["f" + name[1:]],
+            pooling=PoolingType.SUM,
+        )
+        for name in config.names
+    ]
+    options = {
+        name: KVTableOptions(
+            capacity=capacity,
+            seed=config.seed,
+            ssd=SSDOptions(os.path.join(ssd_path, name), resume=False) if ssd_path else None,
+        )
+        for name in config.names
+    }
     return KVEmbeddingBagCollection(
-        [table],
-        KVTableOptions(capacity=capacity, seed=config.seed, ssd=ssd),
+        tables,
+        options,
         fused_params={
             "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
             "learning_rate": config.learning_rate,
@@ -197,14 +219,17 @@ def train_step(ebc, batches, grad, prefetch: bool = False) -> Callable[[int], No
 
 
 def memory_rows(config: BenchConfig, batches: list[KeyedJaggedTensor]) -> tuple[int, int]:
-    distinct = torch.unique(torch.cat([b.values() for b in batches])).numel()
+    """Distinct ids the run gives table ``t``, and the memory rows of a cached table."""
+    distinct = torch.unique(torch.cat([b["f"].values() for b in batches])).numel()
     return distinct, max(16, math.ceil(config.memory_fraction * distinct / 16) * 16)
 
 
 def run_training(config: BenchConfig, workdir: str, verbose: bool):
     batches = make_batches(config)
     distinct, cache_rows = memory_rows(config, batches)
-    grad = torch.randn(config.batch, config.dim, generator=torch.Generator().manual_seed(1))
+    grad = torch.randn(
+        config.batch, config.tables * config.dim, generator=torch.Generator().manual_seed(1)
+    )
     systems = {
         FULL: (build(config, config.rows, None), False),
         SSD: (build(config, cache_rows, os.path.join(workdir, "ssd")), False),
@@ -367,9 +392,10 @@ def run(config: BenchConfig, verbose: bool = True, directory: str | None = None)
 def describe(result: BenchResult) -> str:
     c = result.config
     return (
-        f"1 table, dim {c.dim}, batch {c.batch} x {c.bag} ids (SUM), Zipf alpha {c.alpha} over "
-        f"{c.rows:,} ids; {c.prime} priming + {c.timed_batches} timed steps touch "
-        f"{result.distinct_ids:,} distinct ids; the cached tables hold {result.memory_rows:,} "
+        f"{c.tables} table(s), dim {c.dim}, batch {c.batch} x {c.bag} ids per table (SUM), "
+        f"Zipf alpha {c.alpha} over {c.rows:,} ids; {c.prime} priming + {c.timed_batches} "
+        f"timed steps touch {result.distinct_ids:,} distinct ids (per table); the cached "
+        f"tables hold {result.memory_rows:,} each "
         f"in memory ({100 * result.memory_rows / result.distinct_ids:.0f}%); median of "
         f"{c.repeats} blocks x {c.steps} steps"
     )
