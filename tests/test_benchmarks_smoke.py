@@ -75,13 +75,16 @@ def test_tables_format() -> None:
     assert markdown_table(("a", "b"), [("x", 1)]).splitlines()[1] == "|:---|---:|"
 
 
-def test_ssd_tier_benchmark_runs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tables", [1, 3], ids=lambda t: f"{t}-tables")
+def test_ssd_tier_benchmark_runs(tmp_path: Path, tables: int) -> None:
     from benchmarks import ssd_tier
 
-    result = ssd_tier.main(["--quick", "--dir", str(tmp_path)])
+    result = ssd_tier.main(["--quick", "--dir", str(tmp_path), "--tables", str(tables)])
     assert all(r.ids_per_s > 0 for r in result.train)
     assert all(r.rate > 0 for r in result.promotion + result.disk)
     assert result.cache["ssd_rows"] > 0
+    assert result.config.tables == tables
+    assert ssd_tier.describe(result).startswith(f"{tables} table(s)")
 
 
 def test_native_ops_runs_both_sides(tmp_path: Path) -> None:
