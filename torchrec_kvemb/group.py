@@ -312,7 +312,8 @@ class KVTableGroup:
         table alone: its ``lookup_train_rows``, with the unique rows for the native
         backward where its lookup made them)."""
         if self.per_table_only:
-            return self._lookup_train_alone(ids, table_idx, custom_scores, custom_tables)
+            custom = custom_scores is not None and (custom_tables is None or custom_tables[0])
+            return self._lookup_train_alone(ids, table_idx, custom_scores if custom else None)
         slots = torch.full_like(ids, -1)
         for t, table in enumerate(self.tables):
             mine = (table_idx == t).nonzero().squeeze(1)
@@ -324,31 +325,28 @@ class KVTableGroup:
         return GroupLookup(slots)
 
     def _lookup_train_alone(
-        self,
-        ids: torch.Tensor,
-        table_idx: torch.Tensor,
-        custom_scores: torch.Tensor | None,
-        custom_tables: Sequence[bool] | None,
+        self, ids: torch.Tensor, table_idx: torch.Tensor, custom_scores: torch.Tensor | None
     ) -> GroupLookup:
-        """``lookup_train`` of a group of one table alone (row offset 0): ids of other
-        groups (``table_idx`` -1) get slot -1 and, where the table's lookup gives
-        unique rows, one more unique of slot -1 (no gradient)."""
+        """``lookup_train`` of a group of one table alone (row offset 0; ``custom_scores``
+        for its ids, or None): ids of other groups (``table_idx`` -1) get slot -1 and,
+        where the table's lookup gives unique rows, one more unique of slot -1 (no
+        gradient)."""
         (table,) = self.tables
         mine = (table_idx == 0).nonzero().squeeze(1)
-        use_custom = custom_scores is not None and (custom_tables is None or custom_tables[0])
         every = mine.numel() == ids.numel()
-        scores = None
-        if use_custom:
-            scores = custom_scores if every else custom_scores[mine]
-        look = table.lookup_train_rows(ids if every else ids[mine], scores)
+        if not every:
+            ids = ids[mine]
+            custom_scores = None if custom_scores is None else custom_scores[mine]
+        look = table.lookup_train_rows(ids, custom_scores)
         if every:
             return look
-        slots = torch.full_like(ids, -1)
+        n = table_idx.numel()
+        slots = look.slots.new_full((n,), -1)
         slots[mine] = look.slots
         if look.unique_index is None:
             return GroupLookup(slots)
         none = look.unique_slots.numel()  # the unique of the other groups' ids
-        unique_index = torch.full_like(ids, none)
+        unique_index = look.unique_index.new_full((n,), none)
         unique_index[mine] = look.unique_index
         return GroupLookup(
             slots,
