@@ -44,6 +44,13 @@ int with_ids_by_bucket(const int64_t* ids, int64_t n, int64_t num_buckets, int64
   }
 }
 
+// An item of a bucket with the value it is ranked by.
+struct Ranked {
+  int64_t value;
+  int64_t key;
+  int64_t index;
+};
+
 }  // namespace
 
 extern "C" int kv_place(int64_t* keys, int64_t num_buckets, const int64_t* ids, int64_t n,
@@ -85,23 +92,30 @@ extern "C" int kv_bulk_load(int64_t* keys, int64_t* scores, int64_t num_buckets,
       overflow = order.items[k].bucket == order.items[k + kWays].bucket;
     }
     return parallel_for(order.parts, threads, [&](int64_t p, int64_t) {
+      // A bucket's items with their values beside them (why: the sort compares
+      // each item several times; reading values[index] each time cost a random
+      // read per comparison).
+      std::vector<Ranked> ranked;
       for_each_bucket(order, p, keys, scores, [&](int64_t b, int64_t k0, int64_t k1) {
-        Item* items = order.items;
+        ranked.clear();
+        for (int64_t k = k0; k < k1; ++k) {
+          const Item& item = order.items[k];
+          ranked.push_back(Ranked{values[item.index], item.key, item.index});
+        }
         if (overflow) {
-          std::sort(items + k0, items + k1, [&](const Item& x, const Item& y) {
-            const int64_t vx = values[x.index], vy = values[y.index];
-            return vx != vy ? vx > vy : x.key < y.key;
+          std::sort(ranked.begin(), ranked.end(), [](const Ranked& x, const Ranked& y) {
+            return x.value != y.value ? x.value > y.value : x.key < y.key;
           });
         }
-        for (int64_t k = k0; k < k1; ++k) {
-          const int64_t way = k - k0;
-          if (way >= kWays) {
-            slots[items[k].index] = -1;
+        for (size_t way = 0; way < ranked.size(); ++way) {
+          const Ranked& r = ranked[way];
+          if (way >= static_cast<size_t>(kWays)) {
+            slots[r.index] = -1;
             continue;
           }
-          keys[b * kWays + way] = items[k].key;
-          scores[b * kWays + way] = values[items[k].index];
-          slots[items[k].index] = b * kWays + way;
+          keys[b * kWays + static_cast<int64_t>(way)] = r.key;
+          scores[b * kWays + static_cast<int64_t>(way)] = r.value;
+          slots[r.index] = b * kWays + static_cast<int64_t>(way);
         }
       });
     });
