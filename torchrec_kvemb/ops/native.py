@@ -610,6 +610,20 @@ def record_checksum(block: torch.Tensor, num_threads: int | None = None) -> torc
     return out
 
 
+def _record_args(slab: torch.Tensor, records: torch.Tensor, ids: torch.Tensor) -> tuple:
+    """The leading arguments of the record ops: the slab ``[records, words]``, then
+    ``k`` record numbers and their ids."""
+    k = records.numel()
+    return (
+        _tensor(slab, "slab", torch.int64, (-1, -1)),
+        slab.shape[0],
+        slab.shape[1],
+        _tensor(records, "records", torch.int64, (k,)),
+        k,
+        _tensor(ids, "ids", torch.int64, (k,)),
+    )
+
+
 def read_records(
     slab: torch.Tensor, records: torch.Tensor, ids: torch.Tensor, num_threads: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -620,12 +634,7 @@ def read_records(
     out = torch.empty(k, slab.shape[1], dtype=torch.int64)
     ok = torch.empty(k, dtype=torch.bool)
     status = _lib().kv_read_records(
-        _tensor(slab, "slab", torch.int64, (-1, -1)),
-        slab.shape[0],
-        slab.shape[1],
-        _tensor(records, "records", torch.int64, (k,)),
-        k,
-        _tensor(ids, "ids", torch.int64, (k,)),
+        *_record_args(slab, records, ids),
         _threads(num_threads, k),
         out.data_ptr(),
         ok.data_ptr(),
@@ -647,12 +656,7 @@ def write_records(
     ``slab.index_copy_(0, records, Slab.encode(ids, scores, rows))`` writes."""
     k = records.numel()
     status = _lib().kv_write_records(
-        _tensor(slab, "slab", torch.int64, (-1, -1)),
-        slab.shape[0],
-        slab.shape[1],
-        _tensor(records, "records", torch.int64, (k,)),
-        k,
-        _tensor(ids, "ids", torch.int64, (k,)),
+        *_record_args(slab, records, ids),
         _tensor(scores, "scores", torch.int64, (k,)),
         _tensor(rows, "rows", torch.float32, (k, -1)),
         rows.shape[1],
