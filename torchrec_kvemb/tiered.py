@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 
 from torchrec_kvemb import dispatch
-from torchrec_kvemb.contracts import GroupLayout, GroupLookup
+from torchrec_kvemb.contracts import GroupLayout, GroupLookup, InsertResult
 from torchrec_kvemb.ops import native
 from torchrec_kvemb.ops.hashing import INT64_MAX, route_bucket
 from torchrec_kvemb.optimizer import FusedOptimConfig
@@ -151,7 +151,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
         a row, or new and admitted, that finds no memory row gets a scratch row.
         On the CPU with the native kernels: one find-or-insert pass for the whole
         batch (``_lookup_train_native``), the same outcome."""
-        if native.use_native(ids.device) and ids.dtype == torch.int64:
+        if self._native_path(ids):
             return self._lookup_train_native(ids, custom_scores).slots
         self._settle()
         uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
@@ -174,9 +174,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
         moved = (slots_u[found] >= 0) | no_room[found]  # leaves the SSD tier
         self._store.remove(ssd_slots[moved.cpu()])
         promoted = (slots_u[found] >= 0).nonzero().squeeze(1)
-        self._demote(
-            result.evicted_ids, result.evicted_slots, _scores_at(before, result.evicted_slots)
-        )
+        self._demote_evicted(result, before)
         self._promote(slots_u[found[promoted]], ssd_rows[promoted], promoted_scores[promoted])
         self.count("inserts", -promoted.numel())
         inserted_u[found[promoted]] = False
@@ -200,9 +198,14 @@ class TieredKVTable(KVTable, serves_ssd=True):
         """``lookup_train`` with each id's unique row (scratch rows included) where
         the native kernel looked the batch up: the native fused backward then reduces
         over them without sorting the slots."""
-        if native.use_native(ids.device) and ids.dtype == torch.int64:
+        if self._native_path(ids):
             return self._lookup_train_native(ids, custom_scores)
         return GroupLookup(self.lookup_train(ids, custom_scores))
+
+    @staticmethod
+    def _native_path(ids: torch.Tensor) -> bool:
+        """Whether a training lookup of ``ids`` runs the native kernel."""
+        return native.use_native(ids.device) and ids.dtype == torch.int64
 
     def _lookup_train_native(
         self, ids: torch.Tensor, custom_scores: torch.Tensor | None
@@ -315,9 +318,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
         slots_u[found] = found_slots
         promoted = (found_slots >= 0).nonzero().squeeze(1)
         self._store.remove(ssd_slots[promoted.cpu()])
-        self._demote(
-            result.evicted_ids, result.evicted_slots, _scores_at(before, result.evicted_slots)
-        )
+        self._demote_evicted(result, before)
         self._promote(found_slots[promoted], ssd_rows[promoted], ssd_scores[promoted])
         left = (found_slots < 0).nonzero().squeeze(1)
         if left.numel():  # a read-only copy: their rows stay on the SSD tier
@@ -356,9 +357,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
         before = self._scores_before(ids)
         result = self.insert_ids(ids, values)
         self.count("inserts", -int(result.inserted[held].sum()))  # they were stored
-        self._demote(
-            result.evicted_ids, result.evicted_slots, _scores_at(before, result.evicted_slots)
-        )
+        self._demote_evicted(result, before)
         held_slots = result.slots[held]
         placed = held_slots >= 0
         self.index.set_scores(held_slots[placed], held_scores[placed])
@@ -545,6 +544,15 @@ class TieredKVTable(KVTable, serves_ssd=True):
             evicted_ids.cpu(), memory_scores, self._ssd_scores(memory_scores), rows.cpu()
         )
         self.count("demotions", evicted_ids.numel())
+
+    def _demote_evicted(
+        self, result: InsertResult, before: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
+        """``_demote`` of an insert's evictions, their scores taken from ``before``
+        (``_scores_before`` of the insert's ids)."""
+        self._demote(
+            result.evicted_ids, result.evicted_slots, _scores_at(before, result.evicted_slots)
+        )
 
     def _count_ssd(self, counts: torch.Tensor, miss: torch.Tensor, found: torch.Tensor) -> None:
         """Count the id occurrences of ``miss`` the SSD tier held (``found``) or not."""
