@@ -161,10 +161,15 @@ def _read(
             )
     except CheckpointException as err:
         rank, (first, _) = next(iter(err.failures.items()))
-        raise CheckpointError(
-            f"checkpoint {path!r}: reading failed on rank {rank}: {type(first).__name__}: "
-            f"{first}; nothing was loaded"
-        ) from err
+        raise _reading_failed(path, rank, first) from err
+
+
+def _reading_failed(path: str, rank: int, error: BaseException) -> CheckpointError:
+    """The error every rank raises when reading failed on ``rank`` (nothing loaded)."""
+    return CheckpointError(
+        f"checkpoint {path!r}: reading failed on rank {rank}: {type(error).__name__}: "
+        f"{error}; nothing was loaded"
+    )
 
 
 def load(
@@ -315,10 +320,7 @@ def load(
         with placer.running():
             stream_rows(reader, metadata, requests, take)
     except Exception as e:
-        error = CheckpointError(
-            f"checkpoint {path!r}: reading failed on rank {comm.rank(group)}: "
-            f"{type(e).__name__}: {e}; nothing was loaded"
-        )
+        error = _reading_failed(path, comm.rank(group), e)
         error.__cause__ = e
     try:
         comm.agree(error, group)
