@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "bucket.h"
 #include "parallel.h"
 #include "workspace.h"
 
@@ -44,7 +45,6 @@ template <class F>
 void for_each_bucket(const BucketOrder& order, int64_t p, const int64_t* keys,
                      const int64_t* scores, F&& fn) {
   constexpr int64_t kAhead = 32;
-  constexpr int64_t kWaysPerBucket = 16;
   const Item* items = order.items;
   const int64_t end = order.part_start[p + 1];
   for (int64_t k = order.part_start[p]; k < end;) {
@@ -52,7 +52,7 @@ void for_each_bucket(const BucketOrder& order, int64_t p, const int64_t* keys,
     int64_t k1 = k + 1;
     while (k1 < end && items[k1].bucket == bucket) ++k1;
     if (k + kAhead < end) {
-      const int64_t ahead = items[k + kAhead].bucket * kWaysPerBucket;
+      const int64_t ahead = items[k + kAhead].bucket * kWays;
       __builtin_prefetch(keys + ahead);
       __builtin_prefetch(keys + ahead + 8);
       if (scores) {
