@@ -17,7 +17,7 @@ extern "C" {
 
 // Bump on any change of a signature or struct below; native.py refuses a
 // library whose version differs (a stale build).
-#define KV_ABI_VERSION 3
+#define KV_ABI_VERSION 4
 
 enum KvStatus {
   KV_OK = 0,
@@ -121,16 +121,19 @@ typedef struct KvTrainArgs {
   int64_t* evicted_slots;   // [E]
   int64_t* metrics;         // [T, KV_NUM_METRICS] deltas (overwritten)
   int64_t* sizes;           // [2]: U, E
-  // A lower tier under a group of one table (TieredKVTable.lookup_train); all
-  // optional. promote_ids: the batch's ids the tier holds (not in memory),
-  // ascending, with their memory scores. Such an id competes as a stored one
+  // A lower tier under the group's tables (TieredKVTable.lookup_train, a group
+  // of tiered tables); all optional. promote_ids: the batch's ids the tier
+  // holds (not in memory), table by table (promote_offsets [T + 1]; null: all
+  // of table 0 of a one-table group), ascending within a table, with their
+  // memory scores. Such an id competes as a stored one
   // (never counted for admission) that outranks every unprotected entry, is
   // not counted as an insert, and its slot takes the score it would have kept
   // (LFU: batch count + promote score). With a null state (and weights), the
   // call writes no rows: the caller moves evicted rows out, then writes the
   // promoted and new rows.
-  const int64_t* promote_ids;     // [P] ascending
-  const int64_t* promote_scores;  // [P]
+  const int64_t* promote_ids;      // [P] ascending within each table
+  const int64_t* promote_scores;   // [P]
+  const int64_t* promote_offsets;  // [T + 1] or null (T == 1)
   int64_t num_promote;
   uint8_t* unique_flags;    // [U] KvUniqueFlag bits, or null
   int64_t* unique_scores;   // [U] the score the id holds (or would: no row), or null

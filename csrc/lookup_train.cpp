@@ -167,16 +167,35 @@ class TrainLookup {
       }
     }
     if (!owner_.finish() || !counter_owner_.finish()) return KV_BAD_ARGUMENT;
-    if (a_.num_promote < 0 || (a_.num_promote > 0 && (T != 1 || !a_.promote_ids ||
-                                                     !a_.promote_scores))) {
-      return KV_BAD_ARGUMENT;
-    }
-    for (int64_t p = 1; p < a_.num_promote; ++p) {
-      if (a_.promote_ids[p] <= a_.promote_ids[p - 1]) return KV_BAD_ARGUMENT;
-    }
+    if (!check_promotions()) return KV_BAD_ARGUMENT;
     workers_.resize(static_cast<size_t>(threads_));
     for (Worker& w : workers_) w.metrics.assign(static_cast<size_t>(T * KV_NUM_METRICS), 0);
     return KV_OK;
+  }
+
+  // The lower tier's ids: per table (promote_offsets, or all of table 0 of
+  // a one-table group), strictly ascending. Sets promote_begin_.
+  bool check_promotions() {
+    const int64_t T = a_.num_tables, P = a_.num_promote;
+    if (P < 0) return false;
+    promote_begin_.assign(static_cast<size_t>(T + 1), 0);
+    promote_begin_[static_cast<size_t>(T)] = P;
+    if (P == 0) return true;
+    if (!a_.promote_ids || !a_.promote_scores) return false;
+    if (a_.promote_offsets) {
+      for (int64_t t = 0; t <= T; ++t) promote_begin_[t] = a_.promote_offsets[t];
+    } else if (T != 1) {
+      return false;
+    }
+    if (promote_begin_[0] != 0 || promote_begin_[T] != P) return false;
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t lo = promote_begin_[t], hi = promote_begin_[t + 1];
+      if (hi < lo) return false;
+      for (int64_t p = lo + 1; p < hi; ++p) {
+        if (a_.promote_ids[p] <= a_.promote_ids[p - 1]) return false;
+      }
+    }
+    return true;
   }
 
   // The global bucket of every occurrence (-1: another group's); checks
@@ -250,10 +269,11 @@ class TrainLookup {
   // A new unique at ``pos`` the lower tier holds: it competes as a stored id
   // that outranks every unprotected entry, and keeps its tier score.
   void mark_promoted(int64_t pos) {
-    const int64_t* end = a_.promote_ids + a_.num_promote;
-    const int64_t* at = std::lower_bound(a_.promote_ids, end, u_id_[pos]);
+    const int64_t t = u_table_[pos];
+    const int64_t* end = a_.promote_ids + promote_begin_[t + 1];
+    const int64_t* at = std::lower_bound(a_.promote_ids + promote_begin_[t], end, u_id_[pos]);
     if (at == end || *at != u_id_[pos]) return;
-    const TableInfo& tab = tables_[u_table_[pos]];
+    const TableInfo& tab = tables_[t];
     const int64_t tier_score = a_.promote_scores[at - a_.promote_ids];
     u_final_[pos] = tab.accumulate ? wrap_add(u_count_[pos], tier_score) : u_value_[pos];
     u_value_[pos] = std::numeric_limits<int64_t>::max();
@@ -555,6 +575,7 @@ class TrainLookup {
   const KvTrainArgs& a_;
   Arena& arena_;  // every array below is taken from it
   std::vector<TableInfo> tables_;
+  std::vector<int64_t> promote_begin_;  // [T + 1] where each table's promotions start
   BucketOwner owner_, counter_owner_;
   bool any_admission_ = false;
   int64_t threads_ = 1;

@@ -54,7 +54,7 @@ from torchrec_kvemb.validation import KVInputError
 #: The shared library's extension name (setup.py builds csrc/ into it).
 LIBRARY = "torchrec_kvemb._kvemb_native"
 #: Must equal KV_ABI_VERSION in csrc/kvemb_native.h.
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 #: Columns of ``TrainLookup.metrics``: the ``KVTable.metrics()`` counters they add to.
 METRIC_NAMES = (
@@ -127,6 +127,7 @@ class _TrainArgs(ctypes.Structure):
         ("sizes", _PTR),
         ("promote_ids", _PTR),
         ("promote_scores", _PTR),
+        ("promote_offsets", _PTR),
         ("num_promote", _I64),
         ("unique_flags", _PTR),
         ("unique_scores", _PTR),
@@ -697,11 +698,14 @@ UNIQUE_INSERTED, UNIQUE_PROMOTED, UNIQUE_NO_ROOM = 1, 2, 4
 
 
 class TierPromotion(NamedTuple):
-    """The batch's ids a lower tier holds (none in memory), ascending, with their
-    in-memory scores: ``lookup_train_group`` of a one-table group over an SSD tier."""
+    """The batch's ids a lower tier holds (none in memory) with their in-memory
+    scores: ``lookup_train_group`` of a group of tables over SSD tiers. Table by
+    table (``offsets [T + 1]``: table ``t``'s at ``[offsets[t], offsets[t + 1])``;
+    None: a group of one table), ascending within a table."""
 
     ids: torch.Tensor
     scores: torch.Tensor
+    offsets: torch.Tensor | None = None
 
 
 def lookup_train_group(
@@ -734,7 +738,7 @@ def lookup_train_group(
     optimizer state. ``num_threads`` (default ``torch.get_num_threads()``)
     changes the speed only; ``workspace`` keeps scratch memory between calls.
 
-    ``tier`` (a group of one table over a lower tier): its ids compete as stored
+    ``tier`` (tables over lower tiers): its ids compete as stored
     ones that outrank every unprotected entry (see ``KvTrainArgs``); no row is
     written (the caller moves evicted rows out first, then writes promoted and
     new rows), and the result has ``unique_flags``, ``unique_scores`` and
@@ -810,12 +814,14 @@ def lookup_train_group(
     i64 = dict(dtype=torch.int64)
     tier_out = None
     if tier is not None:
-        if T != 1:
-            raise ValueError("lookup_train_group: a tier needs a group of one table")
+        if T != 1 and tier.offsets is None:
+            raise ValueError("lookup_train_group: a tier of several tables needs its offsets")
         p = tier.ids.numel()
         args.weights = args.state = None
         args.promote_ids = _tensor(tier.ids, "tier.ids", torch.int64, (p,))
         args.promote_scores = _tensor(tier.scores, "tier.scores", torch.int64, (p,))
+        if tier.offsets is not None:
+            args.promote_offsets = _tensor(tier.offsets, "tier.offsets", torch.int64, (T + 1,))
         args.num_promote = p
         tier_out = (
             torch.empty(n, dtype=torch.uint8),
