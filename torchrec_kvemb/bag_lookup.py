@@ -21,7 +21,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -87,41 +87,26 @@ class KVBagLookup:
         def optim_of(name: str) -> FusedOptimConfig:
             return optims if isinstance(optims, FusedOptimConfig) else optims[name]
 
+        # Tables of one dim, optimizer and row dtype share a group; those with an SSD
+        # tier a group of their own (one of a kind: a group of one keeping its arrays).
         by_key: dict[tuple, list[BagTable]] = {}
-        alone: list[BagTable] = []
         for spec in tables:
-            if options[spec.name].ssd is not None:
-                if self.device.type == "meta":
-                    raise ValueError(
-                        f"table {spec.name!r}: an SSD tier cannot be built on the meta "
-                        "device (it writes files); build the collection on a real device"
-                    )
-                alone.append(spec)
-            else:
-                optim = optim_of(spec.name)
-                key = (
-                    spec.dim,
-                    replace(optim, learning_rate=0.0),
-                    options[spec.name].weights_dtype,
+            tiered = options[spec.name].ssd is not None
+            if tiered and self.device.type == "meta":
+                raise ValueError(
+                    f"table {spec.name!r}: an SSD tier cannot be built on the meta "
+                    "device (it writes files); build the collection on a real device"
                 )
-                by_key.setdefault(key, []).append(spec)
+            key = (
+                tiered,
+                spec.dim,
+                replace(optim_of(spec.name), learning_rate=0.0),
+                options[spec.name].weights_dtype,
+            )
+            by_key.setdefault(key, []).append(spec)
         self.groups: list[KVTableGroup] = []
-        for (dim, _, _), specs in by_key.items():
-            names = [s.name for s in specs]
-            self.groups.append(
-                KVTableGroup(
-                    names,
-                    [options[n] for n in names],
-                    dim,
-                    device=self.device,
-                    optims=[optim_of(n) for n in names],
-                )
-            )
-        for spec in alone:
-            table = KVTable(
-                spec.name, spec.dim, options[spec.name], optim_of(spec.name), self.device
-            )
-            self.groups.append(KVTableGroup.alone(table))
+        for (tiered, dim, _, _), specs in sorted(by_key.items(), key=lambda kv: kv[0][0]):
+            self.groups.append(self._group(specs, dim, tiered, options, optim_of))
         # Where each table is: (group, index in the group).
         self._where = {
             table.name: (g, t)
@@ -130,6 +115,30 @@ class KVBagLookup:
         }
         self._anchor = torch.empty(0, requires_grad=True)
         self._plans: dict[tuple, BagPlan] = {}
+
+    def _group(
+        self,
+        specs: list[BagTable],
+        dim: int,
+        tiered: bool,
+        options: Mapping[str, KVTableOptions],
+        optim_of: Callable[[str], FusedOptimConfig],
+    ) -> KVTableGroup:
+        """The group of ``specs`` (one dim, optimizer and row dtype)."""
+        if tiered and len(specs) == 1:
+            (spec,) = specs
+            table = KVTable(
+                spec.name, spec.dim, options[spec.name], optim_of(spec.name), self.device
+            )
+            return KVTableGroup.alone(table)
+        names = [s.name for s in specs]
+        return KVTableGroup(
+            names,
+            [options[n] for n in names],
+            dim,
+            device=self.device,
+            optims=[optim_of(n) for n in names],
+        )
 
     # ----------------------------------------------------------------- tables
     def tables(self) -> dict[str, KVTable]:

@@ -418,6 +418,9 @@ class GroupOptimizer(NamedTuple):
     row_offsets: tuple[int, ...]
     rows: tuple[int, ...]
     row_ends: torch.Tensor  # [T] int64 on the device: row_offsets + rows
+    #: The table of each scratch row after the last table's rows (a group of tables
+    #: with SSD tiers, ``ssd/scratch.py``), else None.
+    pad_tables: torch.Tensor | None = None
 
     @property
     def config(self) -> FusedOptimConfig:
@@ -425,8 +428,13 @@ class GroupOptimizer(NamedTuple):
         return self.configs[0]
 
     def table_of(self, slots: torch.Tensor) -> torch.Tensor:
-        """The table of each global slot (-1 and beyond: clamped into a table)."""
+        """The table of each global slot (-1 and beyond: clamped into a table;
+        scratch rows: their table)."""
         table = torch.searchsorted(self.row_ends, slots.clamp(min=0), right=True)
+        if self.pad_tables is not None and self.pad_tables.numel():
+            beyond = slots - self.row_ends[-1]
+            pad = self.pad_tables[beyond.clamp(0, self.pad_tables.numel() - 1)]
+            table = torch.where(beyond >= 0, pad, table)
         return table.clamp(max=len(self.rows) - 1)
 
 

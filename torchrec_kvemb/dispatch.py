@@ -480,18 +480,10 @@ def group_fused_backward(
         fused_backward_fbgemm(grad_out, weights, state, slots[stored], offsets, scale, config)
         return
     uniq, grads = group_pooled_backward_torch(grad_out, slots, bags)
-    for start, rows, table_config, step in zip(
-        optim.row_offsets, optim.rows, optim.configs, optim.steps, strict=True
-    ):
-        mine = ((uniq >= start) & (uniq < start + rows)).nonzero().squeeze(1)
-        optimizer_update_torch(
-            weights[start : start + rows],
-            state[start : start + rows],
-            uniq[mine] - start,
-            grads[mine],
-            table_config,
-            step,
-        )
+    table = optim.table_of(uniq)
+    for t, (table_config, step) in enumerate(zip(optim.configs, optim.steps, strict=True)):
+        mine = (table == t).nonzero().squeeze(1)
+        optimizer_update_torch(weights, state, uniq[mine], grads[mine], table_config, step)
 
 
 _OPTIM_CODES = {OptimKind.SGD: 0, OptimKind.ROWWISE_ADAGRAD: 1, OptimKind.ADAM: 2}

@@ -1,13 +1,17 @@
 """``KVTableGroup``: KV tables that share one set of arrays and are looked up together.
 
 As FBGEMM's TBE does with table offsets, the tables of a group (same dim and
-optimizer, same device, no SSD tier) live in one index, one row array and one
-admission counter: table ``t`` owns the buckets ``[bucket_offset[t],
+optimizer, same device; all with an SSD tier or none) live in one index, one
+row array and one admission counter: table ``t`` owns the buckets ``[bucket_offset[t],
 bucket_offset[t] + num_buckets[t])`` (``GroupLayout``), so its slots, hence its
 rows, are a contiguous range of the group's. Each table stays a
 :class:`~torchrec_kvemb.table.KVTable` over views of those arrays (``find``,
 ``insert``, ``export``, checkpoints work on it as on any table), and its
 semantics do not change: buckets of two tables never mix.
+
+Tables with SSD tiers keep their own SSD stores (files, flushes, ``resume``)
+and share one scratch pad after the group's rows (``ssd/scratch.py``); their
+training lookup is one native pass for all of them (``tiered_lookup.py``).
 
 A batch of the group is ``ids [n]`` with ``table_idx [n]`` (the table of each
 id; -1: not this group's) and is looked up in one call per step
@@ -32,9 +36,12 @@ import torch
 from torchrec_kvemb import dispatch
 from torchrec_kvemb.contracts import Bags, GroupLayout, GroupLookup, GroupOptimizer, TableStorage
 from torchrec_kvemb.memory import table_memory
+from torchrec_kvemb.ops import native
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import WAYS, KVTableOptions
+from torchrec_kvemb.ssd.scratch import ScratchPad
 from torchrec_kvemb.table import METRIC_NAMES, KVTable
+from torchrec_kvemb.tiered_lookup import lookup_train_tiers
 
 
 @dataclass
@@ -79,8 +86,10 @@ class KVTableGroup:
                     f"table {name!r}: the tables of a group share one optimizer ({first}); "
                     f"got {config}"
                 )
-            if opts.ssd is not None:
-                raise ValueError(f"table {name!r}: a table with an SSD tier is not grouped")
+            if (opts.ssd is None) != (options[0].ssd is None):
+                raise ValueError(
+                    f"table {name!r}: the tables of a group all have an SSD tier or none do"
+                )
             if opts.weights_dtype != options[0].weights_dtype:
                 raise ValueError(
                     f"table {name!r}: the tables of a group share one weights_dtype "
@@ -93,12 +102,24 @@ class KVTableGroup:
         storage = TableStorage.allocate(
             sum(rows), dim, memories[0].state_dim, sum(counted), device, options[0].weights_dtype
         )
+        #: The scratch pad of a group of tables with SSD tiers (None without).
+        self.pad = ScratchPad(storage.weights, storage.state) if options[0].ssd else None
         tables = []
         row0 = counter0 = 0
-        for name, opts, config, n, c in zip(names, options, optims, rows, counted, strict=True):
+        for t, (name, opts, config, n, c) in enumerate(
+            zip(names, options, optims, rows, counted, strict=True)
+        ):
             part = storage.part((row0, row0 + n), (counter0, counter0 + c))
-            tables.append(KVTable(name, dim, opts, config, device, storage=part))
+            extra = {} if self.pad is None else {"pad": self.pad.for_table(t, row0)}
+            try:
+                tables.append(KVTable(name, dim, opts, config, device, storage=part, **extra))
+            except BaseException:
+                for table in tables:
+                    table.close()
+                raise
             row0, counter0 = row0 + n, counter0 + c
+        if self.pad is not None:  # the group's slots address its scratch rows too
+            storage = storage._replace(weights=self.pad.arrays[0], state=self.pad.arrays[1])
         self._adopt(tables, storage, counted)
         #: Whether only the per-table torch path may look the group up.
         self.per_table_only = False
@@ -121,6 +142,7 @@ class KVTableGroup:
         )
         group._adopt([table], storage, [counter_ids])
         group.per_table_only = True
+        group.pad = None
         return group
 
     def _adopt(self, tables: list[KVTable], storage: TableStorage, counted: list[int]) -> None:
@@ -148,6 +170,7 @@ class KVTableGroup:
         self._rates_host: list[float] = []
         self._workspaces: dict[str, object | None] = {}
         self._rates = torch.empty(0)
+        self._native_workspace: native.Workspace | None = None
         self._steps = _Clock(self.metrics.new_tensor([t.step for t in tables]))
         self._optim_steps = _Clock(self.metrics.new_tensor([t.optim_step for t in tables]))
         self._steps.host = [t.step for t in tables]
@@ -195,6 +218,8 @@ class KVTableGroup:
         apply per table); every table's clock advances by one. ``custom_scores``
         (one per id) feed the CUSTOM_SCORE tables flagged in ``custom_tables``
         (default: all of them)."""
+        if self.pad is not None:
+            return self._lookup_train_tiered(ids, table_idx, custom_scores, custom_tables)
         backend = self.backend(ids.device)
         if backend == "torch":
             return self.lookup_train_per_table(ids, table_idx, custom_scores, custom_tables)
@@ -216,6 +241,41 @@ class KVTableGroup:
             self._scratch(backend),
         )
 
+    def _lookup_train_tiered(
+        self,
+        ids: torch.Tensor,
+        table_idx: torch.Tensor,
+        custom_scores: torch.Tensor | None,
+        custom_tables: Sequence[bool] | None,
+    ) -> GroupLookup:
+        """``lookup_train`` of a group of tables with SSD tiers: one native pass for
+        all of them (``tiered_lookup``), else the torch path table by table."""
+        self._begin_tiered_batch()
+        if not (native.use_native(ids.device) and ids.dtype == torch.int64):
+            return self.lookup_train_per_table(ids, table_idx, custom_scores, custom_tables)
+        if self._native_workspace is None:
+            self._native_workspace = native.Workspace()
+        if custom_scores is not None and custom_tables is None:
+            custom_tables = [True] * self.num_tables
+        return lookup_train_tiers(
+            self.tables,
+            self.layout,
+            self.storage,
+            self.row_offsets,
+            ids,
+            table_idx,
+            custom_scores,
+            custom_tables,
+            self._native_workspace,
+        )
+
+    def _begin_tiered_batch(self) -> None:
+        """Every table writes its scratch rows of the last batch back; the pad starts
+        over."""
+        for table in self.tables:
+            table._settle()
+        self.pad.begin_batch()
+
     def backend(self, device: torch.device) -> str:
         """The backend of this group's lookups on ``device`` (``dispatch.group_backend``)."""
         return dispatch.group_backend(device, self.per_table_only)
@@ -228,6 +288,9 @@ class KVTableGroup:
 
     def lookup_eval(self, ids: torch.Tensor, table_idx: torch.Tensor) -> torch.Tensor:
         """Global slots of an evaluation batch (read-only); -1 for ids not stored."""
+        if self.pad is not None:
+            self._begin_tiered_batch()
+            return self.lookup_eval_per_table(ids, table_idx)
         backend = self.backend(ids.device)
         if backend == "torch":
             return self.lookup_eval_per_table(ids, table_idx)
@@ -275,6 +338,7 @@ class KVTableGroup:
             row_offsets=tuple(self.row_offsets),
             rows=self._row_counts(),
             row_ends=self._row_ends,
+            pad_tables=self.pad.row_table if self.pad is not None else None,
         )
         scratch = self._scratch(self.backend(grad_out.device))
         dispatch.group_fused_backward(self.storage, optim, lookup, grad_out, bags, scratch)

@@ -39,15 +39,15 @@ from __future__ import annotations
 
 import torch
 
-from torchrec_kvemb import dispatch
-from torchrec_kvemb.contracts import GroupLayout, GroupLookup, InsertResult
+from torchrec_kvemb.contracts import GroupLayout, GroupLookup, InsertResult, TableStorage
 from torchrec_kvemb.ops import native
 from torchrec_kvemb.ops.hashing import INT64_MAX, route_bucket
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import WAYS, EvictionPolicy, KVTableOptions
-from torchrec_kvemb.ssd.scratch import ScratchPad
+from torchrec_kvemb.ssd.scratch import ScratchPad, TablePad
 from torchrec_kvemb.ssd.store import SSDStore, default_rank
 from torchrec_kvemb.table import KVTable, max_per_unique
+from torchrec_kvemb.tiered_lookup import lookup_train_tiers
 from torchrec_kvemb.validation import check_ids
 
 
@@ -70,8 +70,12 @@ class TieredKVTable(KVTable, serves_ssd=True):
         optim: FusedOptimConfig | None = None,
         device: torch.device | str | None = None,
         rank: int | None = None,
+        storage: TableStorage | None = None,
+        pad: TablePad | None = None,
     ) -> None:
-        super().__init__(name, dim, options, optim, device)
+        """``storage`` and ``pad``: a group's arrays and this table's share of the
+        group's scratch pad (``KVTableGroup`` of tiered tables), instead of new ones."""
+        super().__init__(name, dim, options, optim, device, storage=storage)
         ssd = options.ssd
         policy = options.eviction
         if policy == EvictionPolicy.NONE:
@@ -87,9 +91,10 @@ class TieredKVTable(KVTable, serves_ssd=True):
                 f"table's scores, which are {policy.name} scores; use LRU or NONE"
             )
         rank = default_rank() if rank is None else rank
-        self._pad = ScratchPad(self.weights, self.state)
+        self._pad = pad or ScratchPad(self.weights, self.state).for_table(0, 0)
         self._layout: GroupLayout | None = None
         self._workspace: native.Workspace | None = None
+        self._native_storage: TableStorage | None = None
         self._store = SSDStore(name, dim, self.state_dim, ssd, rank)
         try:
             self._restore()
@@ -153,7 +158,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
         batch (``_lookup_train_native``), the same outcome."""
         if self._native_path(ids):
             return self._lookup_train_native(ids, custom_scores).slots
-        self._settle()
+        self._begin_batch()
         uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
         mem_slots = self.index.probe(uniq)
         miss = (mem_slots < 0).nonzero().squeeze(1)
@@ -210,64 +215,23 @@ class TieredKVTable(KVTable, serves_ssd=True):
     def _lookup_train_native(
         self, ids: torch.Tensor, custom_scores: torch.Tensor | None
     ) -> GroupLookup:
-        """``lookup_train`` by the native group kernel: the batch's ids the SSD tier
-        holds go in as promotions (``native.TierPromotion``); the kernel writes no row,
-        so evicted rows are demoted before promoted and new rows take their slots."""
-        self._settle()
-        ids = ids.contiguous()
-        miss_ids = torch.unique(ids[dispatch.probe(self.index.keys, ids) < 0])
-        found, ssd_slots, ssd_scores, ssd_rows = self._fetch(
-            miss_ids, torch.arange(miss_ids.numel())
-        )
-        ssd_ids = miss_ids[found]  # ascending, as the kernel wants them
-        self._reserve(miss_ids.numel())  # every eviction makes room for a missed id
-        self.step += 1
-        counter = None
-        if self.counter is not None:
-            counter = native.CounterIndex(self.counter.keys, self.counter.scores, self.counts)
-        out = native.lookup_train_group(
-            self._native_layout(),
-            self.index.keys,
-            self.index.scores,
-            self.weights,
-            self.state,
+        """``lookup_train`` by the native group kernel as a group of one table
+        (``tiered_lookup.lookup_train_tiers``: the batch's SSD ids go in as
+        promotions; evicted rows are demoted before promoted and new rows take
+        their slots)."""
+        self._begin_batch()
+        layout = self._native_layout()
+        return lookup_train_tiers(
+            [self],
+            layout,
+            self._native_storage,
+            [0],
             ids,
             torch.zeros_like(ids),
-            [self.step],
             custom_scores,
             None if custom_scores is None else [True],
-            counter,
-            workspace=self._workspace,
-            tier=native.TierPromotion(ssd_ids, ssd_scores),
+            self._workspace,
         )
-        for name, value in zip(native.METRIC_NAMES, out.metrics[0].tolist(), strict=True):
-            self.count(name, value)
-        flags = out.unique_flags
-        promoted_occ = int((flags[out.unique_index] & native.UNIQUE_PROMOTED).count_nonzero())
-        self.count("ssd_hits", promoted_occ)
-        self.count("ssd_misses", int(out.metrics[0, 1]) - promoted_occ)
-        self._store.remove(ssd_slots)  # every promotion leaves the tier: memory or scratch
-        self._demote(out.evicted_ids, out.evicted_slots, out.evicted_scores)
-        from_ssd = (flags & native.UNIQUE_PROMOTED) != 0
-        moved = (from_ssd & (out.unique_slots >= 0)).nonzero().squeeze(1)
-        at = torch.searchsorted(ssd_ids, out.unique_ids[moved])
-        self.set_rows(out.unique_slots[moved], ssd_rows[at])
-        self.count("promotions", moved.numel())
-        new = (flags & native.UNIQUE_INSERTED).nonzero().squeeze(1)
-        self.init_rows_at(out.unique_slots[new], out.unique_ids[new])
-        pad = ((flags & native.UNIQUE_NO_ROOM) != 0).nonzero().squeeze(1)
-        if pad.numel() == 0:
-            return GroupLookup(out.slots, out.unique_index, out.unique_slots, out.unique_table)
-        pad = pad[torch.argsort(out.unique_ids[pad])]  # the pad holds its ids sorted
-        pad_ids = out.unique_ids[pad]
-        state = torch.zeros(pad.numel(), self.state_dim)
-        rows = torch.cat([self.initial_rows(pad_ids), state], dim=1)
-        back = from_ssd[pad].nonzero().squeeze(1)
-        rows[back] = ssd_rows[torch.searchsorted(ssd_ids, pad_ids[back])].to(rows.dtype)
-        slots_u = out.unique_slots.clone()
-        slots_u[pad] = self._pad.write(rows, pad_ids, out.unique_scores[pad])
-        self._store.counters["scratch_rows"] += pad.numel()
-        return GroupLookup(slots_u[out.unique_index], out.unique_index, slots_u, out.unique_table)
 
     def _native_layout(self) -> GroupLayout:
         """This table as a group of one for the native kernel (built once)."""
@@ -277,6 +241,15 @@ class TieredKVTable(KVTable, serves_ssd=True):
                 [self.capacity // WAYS], [counted // WAYS], [self.options]
             )
             self._workspace = native.Workspace()
+            self._native_storage = TableStorage(
+                self.keys,
+                self.scores,
+                self.weights,
+                self.state,
+                self.counter.keys if self.counter is not None else self.keys[:0],
+                self.counter.scores if self.counter is not None else self.scores[:0],
+                self.counts if self.counts is not None else self.keys.new_empty(0),
+            )
         return self._layout
 
     def lookup_eval(self, ids: torch.Tensor) -> torch.Tensor:
@@ -284,7 +257,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
         (outranking unprotected stored ids; the batch's hits keep their rows and
         scores), so that the pooled lookup finds them in memory; those that find no
         memory row are read into scratch rows for the batch."""
-        self._settle()
+        self._begin_batch()
         uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
         mem_slots = self.index.probe(uniq)
         hit = mem_slots >= 0
@@ -510,6 +483,12 @@ class TieredKVTable(KVTable, serves_ssd=True):
         self._reserve(ids.numel())
         self._store.put(ids.cpu(), scores.cpu(), self._ssd_scores(scores).cpu(), rows.cpu())
         self._pad.release()
+
+    def _begin_batch(self) -> None:
+        """A lookup's batch begins: the scratch rows of the last one are written back,
+        and the pad starts over (a group's pad: when the group's batch begins)."""
+        self._settle()
+        self._pad.begin_batch()
 
     def _reserve(self, n: int) -> None:
         """Room in the slab for ``n`` rows, before anything in memory changes (a

@@ -1,0 +1,155 @@
+"""The native training lookup of tables over SSD tiers: one pass for all of them.
+
+A table with an SSD tier (``TieredKVTable``) alone, or a group of them sharing
+arrays (``KVTableGroup`` of tiered tables), is looked up by one call of the
+native group kernel per step, whatever the number of tables:
+
+1. per table, the batch's ids not in memory are looked up in its SSD tier and
+   their rows read (``TieredKVTable._fetch``), and room on disk is reserved;
+2. one ``native.lookup_train_group`` with those ids as promotions
+   (``native.TierPromotion``, table by table): it writes no row;
+3. per table, rows evicted from memory are demoted to its SSD tier, promoted
+   rows take their memory slots, new rows get their initial values, and ids
+   without a memory row (a bucket full of the batch's ids) get scratch rows
+   (``ssd/scratch.py``).
+
+The per-table steps are batched calls on each table's SSD store (each table
+keeps its own files); the kernel, the pooled forward and the fused backward
+are one pass for the group. The torch path (``TieredKVTable.lookup_train``,
+table by table) is the reference this is tested against
+(tests/ssd/test_tier_backends.py, tests/ssd/test_tiered_group.py).
+
+Example::
+
+    out = lookup_train_tiers(tables, layout, storage, [0, 1000], ids, table_idx,
+                             None, None, workspace)   # a GroupLookup, global slots
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from torchrec_kvemb import dispatch
+from torchrec_kvemb.contracts import GroupLayout, GroupLookup, TableStorage
+from torchrec_kvemb.ops import native
+from torchrec_kvemb.table import KVTable
+
+
+class _Fetched:
+    """What one table's SSD tier holds of the batch's ids not in memory."""
+
+    def __init__(self, table: KVTable, ids: torch.Tensor) -> None:
+        stored = dispatch.probe(table.index.keys, ids) >= 0
+        miss_ids = torch.unique(ids[~stored])
+        found, self.ssd_slots, self.scores, self.rows = table._fetch(
+            miss_ids, torch.arange(miss_ids.numel())
+        )
+        self.ids = miss_ids[found]  # ascending, as the kernel wants them
+        self.misses = miss_ids.numel()
+
+
+def lookup_train_tiers(
+    tables: Sequence[KVTable],
+    layout: GroupLayout,
+    storage: TableStorage,
+    row_offsets: Sequence[int],
+    ids: torch.Tensor,
+    table_idx: torch.Tensor,
+    custom_scores: torch.Tensor | None,
+    custom_tables: Sequence[bool] | None,
+    workspace: native.Workspace | None,
+) -> GroupLookup:
+    """``lookup_train`` of ``tables`` (``TieredKVTable``s, sharing ``storage``: table
+    ``t``'s rows from ``row_offsets[t]`` on) for ``ids`` with ``table_idx`` (-1: not
+    theirs), by the native kernel (see the module docstring). Every table has
+    written its scratch rows back and the pad has begun the batch. Returns global
+    slots and each id's unique row."""
+    T = len(tables)
+    ids = ids.contiguous()
+    if T == 1:
+        fetched = [_Fetched(tables[0], ids[table_idx == 0])]
+    else:
+        fetched = [_Fetched(table, ids[table_idx == t]) for t, table in enumerate(tables)]
+    for table, f in zip(tables, fetched, strict=True):
+        table._reserve(f.misses)  # every eviction makes room for a missed id
+        table.step += 1
+    counter = None
+    if layout.has_admission:
+        counter = native.CounterIndex(storage.counter_keys, storage.counter_scores, storage.counts)
+    rows = layout.total_buckets * storage.keys.shape[1]
+    promote_offsets = None
+    if T > 1:
+        promote_offsets = torch.zeros(T + 1, dtype=torch.int64)
+        promote_offsets[1:] = torch.tensor([f.ids.numel() for f in fetched]).cumsum(0)
+    out = native.lookup_train_group(
+        layout,
+        storage.keys,
+        storage.scores,
+        storage.weights[:rows],
+        storage.state[:rows],
+        ids,
+        table_idx,
+        [t.step for t in tables],
+        custom_scores,
+        custom_tables,
+        counter,
+        workspace=workspace,
+        tier=native.TierPromotion(
+            torch.cat([f.ids for f in fetched]),
+            torch.cat([f.scores for f in fetched]),
+            promote_offsets,
+        ),
+    )
+    flags = out.unique_flags
+    unique_index = out.unique_index
+    theirs = unique_index >= 0
+    promoted_occ = [0] * T
+    if flags.numel():
+        promoted = theirs & (flags[unique_index.clamp(min=0)] & native.UNIQUE_PROMOTED != 0)
+        promoted_occ = torch.bincount(table_idx[promoted], minlength=T).tolist()
+    metrics = out.metrics.tolist()
+    from_ssd = (flags & native.UNIQUE_PROMOTED) != 0
+    new = (flags & native.UNIQUE_INSERTED) != 0
+    no_room = (flags & native.UNIQUE_NO_ROOM) != 0
+    slots_u = out.unique_slots.clone()
+    owner = out.unique_table
+    ev_owner = torch.searchsorted(
+        torch.tensor(list(row_offsets[1:]), dtype=torch.int64), out.evicted_slots, right=True
+    )
+    any_pad = False
+    for t, (table, f, offset) in enumerate(zip(tables, fetched, row_offsets, strict=True)):
+        mine = owner == t if T > 1 else torch.ones_like(from_ssd)
+        for name, value in zip(native.METRIC_NAMES, metrics[t], strict=True):
+            table.count(name, value)
+        table.count("ssd_hits", promoted_occ[t])
+        table.count("ssd_misses", metrics[t][1] - promoted_occ[t])
+        table._store.remove(f.ssd_slots)  # every promotion leaves the tier: memory or scratch
+        gone = (ev_owner == t).nonzero().squeeze(1) if T > 1 else slice(None)
+        table._demote(
+            out.evicted_ids[gone], out.evicted_slots[gone] - offset, out.evicted_scores[gone]
+        )
+        moved = (mine & from_ssd & (out.unique_slots >= 0)).nonzero().squeeze(1)
+        at = torch.searchsorted(f.ids, out.unique_ids[moved])
+        table.set_rows(out.unique_slots[moved] - offset, f.rows[at])
+        table.count("promotions", moved.numel())
+        fresh = (mine & new).nonzero().squeeze(1)
+        table.init_rows_at(out.unique_slots[fresh] - offset, out.unique_ids[fresh])
+        pad = (mine & no_room).nonzero().squeeze(1)
+        if pad.numel() == 0:
+            continue
+        any_pad = True
+        pad = pad[torch.argsort(out.unique_ids[pad])]  # a pad share holds its ids sorted
+        pad_ids = out.unique_ids[pad]
+        state = torch.zeros(pad.numel(), table.state_dim)
+        pad_rows = torch.cat([table.initial_rows(pad_ids), state], dim=1)
+        back = from_ssd[pad].nonzero().squeeze(1)
+        pad_rows[back] = f.rows[torch.searchsorted(f.ids, pad_ids[back])].to(pad_rows.dtype)
+        local = table._pad.write(pad_rows, pad_ids, out.unique_scores[pad])
+        slots_u[pad] = local + offset
+        table._store.counters["scratch_rows"] += pad.numel()
+    if not any_pad:
+        return GroupLookup(out.slots, unique_index, out.unique_slots, owner)
+    slots = torch.where(theirs, slots_u[unique_index.clamp(min=0)], -1)
+    return GroupLookup(slots, unique_index, slots_u, owner)
