@@ -488,7 +488,7 @@ def profile_ssd(config: BenchConfig, calls: int = 3, directory: str | None = Non
         batches = make_batches(config)
         _, cache_rows = memory_rows(config, batches)
         ebc = build(config, cache_rows, os.path.join(workdir, "ssd"))
-        grad = torch.randn(config.batch, config.dim)
+        grad = torch.randn(config.batch, config.tables * config.dim)
         step = train_step(ebc, batches, grad)
         for i in range(config.prime):
             step(i)

@@ -14,8 +14,9 @@ native group kernel per step, whatever the number of tables:
    (``ssd/scratch.py``).
 
 The per-table steps are batched calls on each table's SSD store (each table
-keeps its own files); the kernel, the pooled forward and the fused backward
-are one pass for the group. The torch path (``TieredKVTable.lookup_train``,
+keeps its own files), run for two tables at once on threads (``TIER_THREADS``);
+the kernel, the pooled forward and the fused backward are one pass for the
+group. The torch path (``TieredKVTable.lookup_train``,
 table by table) is the reference this is tested against
 (tests/ssd/test_tier_backends.py, tests/ssd/test_tiered_group.py).
 
@@ -27,7 +28,10 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import TypeVar
 
 import torch
 
@@ -35,6 +39,8 @@ from torchrec_kvemb import dispatch
 from torchrec_kvemb.contracts import GroupLayout, GroupLookup, TableStorage
 from torchrec_kvemb.ops import native
 from torchrec_kvemb.table import KVTable
+
+_T = TypeVar("_T")
 
 
 class _Fetched:
@@ -48,6 +54,29 @@ class _Fetched:
         )
         self.ids = miss_ids[found]  # ascending, as the kernel wants them
         self.misses = miss_ids.numel()
+
+
+#: The threads of ``_per_table``, by the process that made them (a forked child
+#: makes its own: it has none of its parent's threads).
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+#: Tables whose tier work runs at once (why 2: measured on 2 cores, 4 tables of
+#: benchmarks/ssd_tier.py step in 44-50 ms on 2 threads against 53 ms on the
+#: calling thread alone, and 92 ms on 1 other thread; docs/ssd-tier.md).
+TIER_THREADS = 2
+
+
+def _per_table(work: Callable[[int], _T], num_tables: int) -> list[_T]:
+    """``[work(t) for t in range(num_tables)]``, tables on threads (each table's SSD
+    store is its own; the native record reads and writes and most torch ops run
+    without the GIL). An error of one table is raised once every table is done."""
+    global _POOL
+    if num_tables == 1 or torch.get_num_threads() == 1:
+        return [work(t) for t in range(num_tables)]
+    if _POOL is None or _POOL[0] != os.getpid():
+        _POOL = (os.getpid(), ThreadPoolExecutor(TIER_THREADS, thread_name_prefix="kvemb-tier"))
+    futures = [_POOL[1].submit(work, t) for t in range(num_tables)]
+    wait(futures)
+    return [f.result() for f in futures]
 
 
 def lookup_train_tiers(
@@ -68,12 +97,14 @@ def lookup_train_tiers(
     slots and each id's unique row."""
     T = len(tables)
     ids = ids.contiguous()
-    if T == 1:
-        fetched = [_Fetched(tables[0], ids[table_idx == 0])]
-    else:
-        fetched = [_Fetched(table, ids[table_idx == t]) for t, table in enumerate(tables)]
-    for table, f in zip(tables, fetched, strict=True):
-        table._reserve(f.misses)  # every eviction makes room for a missed id
+
+    def fetch(t: int) -> _Fetched:
+        fetched = _Fetched(tables[t], ids[table_idx == t] if T > 1 else ids)
+        tables[t]._reserve(fetched.misses)  # every eviction makes room for a missed id
+        return fetched
+
+    fetched = _per_table(fetch, T)
+    for table in tables:
         table.step += 1
     counter = None
     if layout.has_admission:
@@ -118,8 +149,12 @@ def lookup_train_tiers(
     ev_owner = torch.searchsorted(
         torch.tensor(list(row_offsets[1:]), dtype=torch.int64), out.evicted_slots, right=True
     )
-    any_pad = False
-    for t, (table, f, offset) in enumerate(zip(tables, fetched, row_offsets, strict=True)):
+
+    def settle(t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Table ``t``'s rows after the kernel: counters, demotions, promoted and new
+        rows; its ids without a memory row ``(positions in the uniques, ids, rows)``
+        (None: none)."""
+        table, f, offset = tables[t], fetched[t], row_offsets[t]
         mine = owner == t if T > 1 else torch.ones_like(from_ssd)
         for name, value in zip(native.METRIC_NAMES, metrics[t], strict=True):
             table.count(name, value)
@@ -138,16 +173,24 @@ def lookup_train_tiers(
         table.init_rows_at(out.unique_slots[fresh] - offset, out.unique_ids[fresh])
         pad = (mine & no_room).nonzero().squeeze(1)
         if pad.numel() == 0:
-            continue
-        any_pad = True
+            return None
         pad = pad[torch.argsort(out.unique_ids[pad])]  # a pad share holds its ids sorted
         pad_ids = out.unique_ids[pad]
         state = torch.zeros(pad.numel(), table.state_dim)
         pad_rows = torch.cat([table.initial_rows(pad_ids), state], dim=1)
         back = from_ssd[pad].nonzero().squeeze(1)
         pad_rows[back] = f.rows[torch.searchsorted(f.ids, pad_ids[back])].to(pad_rows.dtype)
+        return pad, pad_ids, pad_rows
+
+    any_pad = False
+    for t, padded in enumerate(_per_table(settle, T)):
+        if padded is None:
+            continue
+        any_pad = True
+        pad, pad_ids, pad_rows = padded
+        table = tables[t]
         local = table._pad.write(pad_rows, pad_ids, out.unique_scores[pad])
-        slots_u[pad] = local + offset
+        slots_u[pad] = local + row_offsets[t]
         table._store.counters["scratch_rows"] += pad.numel()
     if not any_pad:
         return GroupLookup(out.slots, unique_index, out.unique_slots, owner)
