@@ -24,6 +24,7 @@ Run from the repository root::
     python -m benchmarks.ssd_tier --out docs/bench_ssd_tier.md    # also write markdown
     python -m benchmarks.ssd_tier --quick                         # smoke-test sizes
     python -m benchmarks.ssd_tier --profile                       # the 10% + SSD step
+    python -m benchmarks.ssd_tier --tables 4 --sequential         # systems not interleaved
     python -m benchmarks.ssd_tier --dir /mnt/nvme                 # files on that disk
 
 The files go to a temporary directory (``--dir``, default ``$TMPDIR``): it
@@ -36,6 +37,7 @@ import argparse
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -279,6 +281,36 @@ def run_training(config: BenchConfig, workdir: str, verbose: bool):
     return distinct, cache_rows, results, cache
 
 
+def run_sequential(config: BenchConfig, workdir: str) -> dict[str, float]:
+    """Median ms a step of ``all in memory`` and ``10% + SSD``, each built, primed and
+    timed on its own, one after the other (no interleaving: neither runs beside the
+    other's leftovers)."""
+    batches = make_batches(config)
+    _, cache_rows = memory_rows(config, batches)
+    grad = torch.randn(
+        config.batch, config.tables * config.dim, generator=torch.Generator().manual_seed(1)
+    )
+    out = {}
+    for name, rows, ssd in (
+        (FULL, config.rows, None),
+        (SSD, cache_rows, os.path.join(workdir, "ssd")),
+    ):
+        ebc = build(config, rows, ssd)
+        step = train_step(ebc, batches, grad)
+        for i in range(config.prime):
+            step(i)
+        times = []
+        for i in range(config.prime, len(batches)):
+            start = time.perf_counter()
+            step(i)
+            times.append(time.perf_counter() - start)
+        out[name] = 1e3 * statistics.median(times)
+        for table in ebc.kv_tables().values():
+            if table.ssd is not None:
+                table.ssd.close()
+    return out
+
+
 # -------------------------------------------------------------- promotion
 def run_promotion(config: BenchConfig, workdir: str, verbose: bool) -> tuple[RateResult, ...]:
     """``lookup_train`` of ids only the SSD tier holds, into memory with room."""
@@ -492,9 +524,9 @@ def profile_ssd(config: BenchConfig, calls: int = 3, directory: str | None = Non
         step = train_step(ebc, batches, grad)
         for i in range(config.prime):
             step(i)
-        base = config.prime
-        functions = profile_functions(lambda i: step(base + i), calls, "torchrec_kvemb")
-        ops = profile_ops(lambda i: step(base + calls + i), calls)
+        base, n = config.prime, len(batches)  # past the last batch: from the first again
+        functions = profile_functions(lambda i: step((base + i) % n), calls, "torchrec_kvemb")
+        ops = profile_ops(lambda i: step((base + calls + i) % n), calls)
         return (
             f"10% + SSD train step\n{machine_summary()}\n\n"
             f"By torchrec_kvemb function (innermost on the stack, per step):\n{functions}\n\n"
@@ -512,6 +544,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namesp
     parser.add_argument("--out", help="also write a markdown report to this path")
     parser.add_argument("--profile", action="store_true", help="profile the 10%% + SSD step")
     parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help="time all in memory, then 10%% + SSD, each on its own (no interleaving)",
+    )
+    parser.add_argument(
         "--dir", help="where the files go: a directory on the disk to measure (default: $TMPDIR)"
     )
     names = add_config_flags(parser, BenchConfig)
@@ -524,6 +561,18 @@ def main(argv: Sequence[str] | None = None) -> BenchResult | None:
     config, args = parse_args(argv)
     if args.profile:
         print(profile_ssd(config, directory=args.dir))
+        return None
+    if args.sequential:
+        set_threads(config.threads)
+        workdir = tempfile.mkdtemp(prefix="bench-ssd-", dir=args.dir)
+        try:
+            ms = run_sequential(config, workdir)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        print(
+            f"{config.tables} table(s), each system on its own: all in memory "
+            f"{ms[FULL]:.1f} ms a step, 10% + SSD {ms[SSD]:.1f} ms: {ms[FULL] / ms[SSD]:.2f}x"
+        )
         return None
     result = run(config, directory=args.dir)
     print(report(result))

@@ -87,6 +87,16 @@ def test_ssd_tier_benchmark_runs(tmp_path: Path, tables: int) -> None:
     assert ssd_tier.describe(result).startswith(f"{tables} table(s)")
 
 
+def test_ssd_tier_sequential_and_profile_run(tmp_path: Path, capsys) -> None:
+    from benchmarks import ssd_tier
+
+    args = ["--quick", "--dir", str(tmp_path), "--tables", "3"]
+    ssd_tier.main([*args, "--sequential"])
+    assert "3 table(s), each system on its own: all in memory" in capsys.readouterr().out
+    ssd_tier.main([*args, "--profile"])
+    assert "lookup_train_tiers" in capsys.readouterr().out
+
+
 def test_native_ops_runs_both_sides(tmp_path: Path) -> None:
     from benchmarks import native_ops
 
