@@ -126,8 +126,8 @@ class KVTableGroup:
 
     @classmethod
     def alone(cls, table: KVTable) -> KVTableGroup:
-        """A group of one table that keeps its own arrays (a table with an SSD tier,
-        looked up by its own path, table by table)."""
+        """A group of one table that keeps its own arrays (a table with an SSD tier and
+        no other of its dim and optimizer, looked up by its own path)."""
         group = cls.__new__(cls)
         counter_ids = table.counts.numel() if table.counts is not None else 0
         weights, state = table.batch_rows()

@@ -84,13 +84,13 @@ def table_sizes(args: argparse.Namespace) -> list[int | None]:
 def kv_options(
     args: argparse.Namespace, ssd_dir: str | None, headroom: int = 1
 ) -> dict[str, KVTableOptions]:
-    """Per KV table. The largest goes on the SSD tier (``ssd_dir``) and keeps half
-    its rows in memory; the second admits an id after 2 sightings and evicts LFU;
-    the others evict LRU. ``headroom`` multiplies the capacities (see
-    ``RELOAD_HEADROOM``)."""
+    """Per KV table. The two largest go on SSD tiers (``ssd_dir``; one group, looked
+    up in one pass) and keep half their rows in memory; the second admits an id
+    after 2 sightings and evicts LFU; the others evict LRU. ``headroom``
+    multiplies the capacities (see ``RELOAD_HEADROOM``)."""
     out = {}
     for i, f in enumerate(kv_features(args.num_kv_tables)):
-        ssd = SSDOptions(path=ssd_dir, resume=False) if (i == 0 and ssd_dir) else None
+        ssd = SSDOptions(path=ssd_dir, resume=False) if (i < 2 and ssd_dir) else None
         capacity = args.kv_capacity // 2 if ssd else args.kv_capacity
         out[table_name(f)] = KVTableOptions(
             capacity=capacity * headroom,
