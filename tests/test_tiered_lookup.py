@@ -13,6 +13,9 @@ counters exactly; floats within 1e-6), on the native kernels and on the group's
 own torch path.
 """
 
+import errno
+import os
+
 import pytest
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -31,6 +34,8 @@ from torchrec_kvemb.group import KVTableGroup
 from torchrec_kvemb.ops import native
 from torchrec_kvemb.ops.hashing import index_bucket
 from torchrec_kvemb.options import WAYS
+from torchrec_kvemb.ssd import KVStorageError
+from torchrec_kvemb.ssd import slab as slab_module
 
 DIM = 3
 STEPS = 7
@@ -268,3 +273,49 @@ def test_group_of_tables_with_and_without_ssd_tier_is_refused(tmp_path) -> None:
     ]
     with pytest.raises(ValueError, match="'b': the tables of a group all have an SSD tier"):
         KVTableGroup(["a", "b"], options, dim=DIM)
+
+
+def _no_space(*args):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _many_new_ids(step: int) -> KeyedJaggedTensor:
+    """A batch of new ids for every tiered table: their slabs must grow."""
+    ids = torch.arange(2_001) * 7 + 3 + step * 100_000
+    features = [TIERED[name][0] for name in TIERED]
+    values = torch.cat([ids + 2**42 * (t + 1) for t in range(len(features))] + [ids[:5]])
+    lengths = torch.tensor([2_001] * len(features) + [5])
+    return KeyedJaggedTensor.from_lengths_sync([*features, "g"], values, lengths)
+
+
+def test_full_disk_in_a_group_step_changes_no_table(tmp_path, monkeypatch) -> None:
+    """A full disk while the group's tables reserve room (on the tier threads) raises
+    ``KVStorageError`` naming the table and changes none of the group's tables; with
+    room again, the same batch trains as if nothing had happened."""
+    optim = EmbOptimType.EXACT_ROWWISE_ADAGRAD
+    batches = _batches()
+    group = _collection([*TIERED, "u"], tmp_path / "group", optim)
+    reference = _collection([*TIERED, "u"], tmp_path / "reference", optim)
+    for kjt in batches[:3]:
+        _step(group, kjt, True)
+        _step(reference, kjt, True)
+    before = {k: v for k, v in _rows(group).items() if not k.startswith("u.")}
+    monkeypatch.setattr(slab_module, "_fallocate", _no_space)
+    with pytest.raises(KVStorageError, match=r"table '[abc]'.*no space left on device"):
+        _step(group, _many_new_ids(0), True)
+    after = {k: v for k, v in _rows(group).items() if not k.startswith("u.")}
+    _assert_rows_equal(after, before)
+    monkeypatch.undo()
+    for kjt in [_many_new_ids(0), *batches[3:]]:
+        want, got = _step(reference, kjt, True), _step(group, kjt, True)
+        for key in TIERED:
+            feature = TIERED[key][0]
+            torch.testing.assert_close(got[feature], want[feature], atol=1e-6, rtol=1e-6)
+    got = {k: v for k, v in _rows(group).items() if not k.startswith("u.")}
+    want = {k: v for k, v in _rows(reference).items() if not k.startswith("u.")}
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, atol=1e-6, rtol=1e-6, msg=key)
+    for name in TIERED:
+        group.table(name).close()
+        reference.table(name).close()
