@@ -170,7 +170,6 @@ class KVTableGroup:
         self._rates_host: list[float] = []
         self._workspaces: dict[str, object | None] = {}
         self._rates = torch.empty(0)
-        self._native_workspace: native.Workspace | None = None
         self._steps = _Clock(self.metrics.new_tensor([t.step for t in tables]))
         self._optim_steps = _Clock(self.metrics.new_tensor([t.optim_step for t in tables]))
         self._steps.host = [t.step for t in tables]
@@ -253,8 +252,6 @@ class KVTableGroup:
         self._begin_tiered_batch()
         if not (native.use_native(ids.device) and ids.dtype == torch.int64):
             return self.lookup_train_per_table(ids, table_idx, custom_scores, custom_tables)
-        if self._native_workspace is None:
-            self._native_workspace = native.Workspace()
         if custom_scores is not None and custom_tables is None:
             custom_tables = [True] * self.num_tables
         return lookup_train_tiers(
@@ -266,7 +263,7 @@ class KVTableGroup:
             table_idx,
             custom_scores,
             custom_tables,
-            self._native_workspace,
+            self._scratch("native"),
         )
 
     def _begin_tiered_batch(self) -> None:

@@ -62,3 +62,9 @@ def test_growth_keeps_every_view_and_the_rows():
     assert torch.equal(pad.arrays[0][ROWS[0]], torch.full((DIM,), -1.0))
     assert torch.equal(a.pending_rows()[2], _rows(3, 1.0))  # written before the growth
     assert torch.equal(b.pending_rows()[2], _rows(grown, 50.0))
+
+
+def test_rows_followed_by_other_rows_are_refused():
+    weights, state = torch.zeros(12, DIM), torch.zeros(12, STATE_DIM)
+    with pytest.raises(ValueError, match="end their storage"):
+        ScratchPad(weights[:5], state[:5])  # growing would write over rows 5..11

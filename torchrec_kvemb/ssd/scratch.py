@@ -49,6 +49,14 @@ class ScratchPad:
     """Extra rows after the memory rows of a table or group (see the module docstring)."""
 
     def __init__(self, weights: torch.Tensor, state: torch.Tensor) -> None:
+        for array in (weights, state):
+            end = (array.storage_offset() + array.numel()) * array.element_size()
+            if not array.is_contiguous() or end != array.untyped_storage().nbytes():
+                raise ValueError(
+                    "scratch pad: the rows must be contiguous and end their storage "
+                    "(the pad grows it in place); a table with an SSD tier in a group "
+                    "takes the group's pad"
+                )
         #: Memory rows before the pad's first row.
         self.capacity = weights.shape[0]
         # Distinct tensor objects over the same storage: the given ones keep their shape.
