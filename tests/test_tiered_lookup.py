@@ -19,12 +19,13 @@ import os
 import pytest
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvemb import (
     EvictionPolicy,
     KVEmbeddingBagCollection,
+    KVEmbeddingCollection,
     KVTableOptions,
     SSDOptions,
     checkpoint,
@@ -319,3 +320,58 @@ def test_full_disk_in_a_group_step_changes_no_table(tmp_path, monkeypatch) -> No
     for name in TIERED:
         group.table(name).close()
         reference.table(name).close()
+
+
+def _sequence_collection(names: list[str], path) -> KVEmbeddingCollection:
+    configs, options = [], {}
+    for name in names:
+        feature, buckets, policy, ssd_capacity, threshold, _ = TIERED[name]
+        configs.append(
+            EmbeddingConfig(
+                name=name, embedding_dim=DIM, num_embeddings=2**40, feature_names=[feature]
+            )
+        )
+        options[name] = KVTableOptions(
+            capacity=buckets * WAYS,
+            eviction=policy,
+            admission_threshold=threshold,
+            seed=ord(name),
+            init_low=-0.1,
+            init_high=0.1,
+            ssd=SSDOptions(str(path / name), capacity=ssd_capacity, resume=False),
+        )
+    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.2}
+    return KVEmbeddingCollection(configs, options, fused_params=fused)
+
+
+def test_sequence_collection_groups_tiered_tables_as_alone(tmp_path, monkeypatch) -> None:
+    """A ``KVEmbeddingCollection`` (one row per id) of three tiered tables: one group
+    on the native kernels, the same rows and outputs as each table in a collection
+    of its own on the torch path."""
+    features = [TIERED[name][0] for name in TIERED]
+    group = _sequence_collection(list(TIERED), tmp_path / "group")
+    alone = {name: _sequence_collection([name], tmp_path / "alone") for name in TIERED}
+    assert len({id(group.table(name)._pad.pad) for name in TIERED}) == 1
+    for step, kjt in enumerate(_batches()):
+        kjt = _select(kjt, features)
+        got = group(kjt)
+        grads = {f: _grad(f, got[f].values()) for f in features}
+        torch.autograd.backward([got[f].values() for f in features], list(grads.values()))
+        for name, ec in alone.items():
+            feature = TIERED[name][0]
+            with monkeypatch.context() as torch_path:
+                torch_path.setenv(ENV_VAR, "torch")
+                want = ec(_select(kjt, [feature]))[feature].values()
+                want.backward(grads[feature])
+            torch.testing.assert_close(
+                got[feature].values(), want, atol=1e-6, rtol=1e-6, msg=f"{name}, step {step}"
+            )
+    for name, ec in alone.items():
+        metrics = ec.table(name).metrics()
+        assert metrics["scratch_rows"] > 0 and metrics["promotions"] > 0, name
+        assert group.table(name).metrics() == metrics  # before exports read the tiers
+        want, got = ec.table(name).export(), group.table(name).export()
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, atol=1e-6, rtol=1e-6, msg=key)
+        ec.table(name).close()
+        group.table(name).close()
