@@ -92,6 +92,19 @@ def _select(kjt: KeyedJaggedTensor, features: list[str]) -> KeyedJaggedTensor:
     )
 
 
+def _tiered_options(name: str, path, resume: bool = False) -> KVTableOptions:
+    _, buckets, policy, ssd_capacity, threshold, _ = TIERED[name]
+    return KVTableOptions(
+        capacity=buckets * WAYS,
+        eviction=policy,
+        admission_threshold=threshold,
+        seed=ord(name),
+        init_low=-0.1,
+        init_high=0.1,
+        ssd=SSDOptions(str(path / name), capacity=ssd_capacity, resume=resume),
+    )
+
+
 def _collection(
     names: list[str], path, optimizer: EmbOptimType, resume: bool = False
 ) -> KVEmbeddingBagCollection:
@@ -105,21 +118,12 @@ def _collection(
             )
             options["u"] = KVTableOptions(capacity=32 * WAYS, seed=6, init_low=-0.1, init_high=0.1)
             continue
-        feature, buckets, policy, ssd_capacity, threshold, _ = TIERED[name]
         configs.append(
             EmbeddingBagConfig(
-                name=name, embedding_dim=DIM, num_embeddings=2**40, feature_names=[feature]
+                name=name, embedding_dim=DIM, num_embeddings=2**40, feature_names=[TIERED[name][0]]
             )
         )
-        options[name] = KVTableOptions(
-            capacity=buckets * WAYS,
-            eviction=policy,
-            admission_threshold=threshold,
-            seed=len(name) + ord(name),
-            init_low=-0.1,
-            init_high=0.1,
-            ssd=SSDOptions(str(path / name), capacity=ssd_capacity, resume=resume),
-        )
+        options[name] = _tiered_options(name, path, resume)
     ebc = KVEmbeddingBagCollection(
         configs, options, fused_params={"optimizer": optimizer, "learning_rate": 0.3}
     )
@@ -325,21 +329,12 @@ def test_full_disk_in_a_group_step_changes_no_table(tmp_path, monkeypatch) -> No
 def _sequence_collection(names: list[str], path) -> KVEmbeddingCollection:
     configs, options = [], {}
     for name in names:
-        feature, buckets, policy, ssd_capacity, threshold, _ = TIERED[name]
         configs.append(
             EmbeddingConfig(
-                name=name, embedding_dim=DIM, num_embeddings=2**40, feature_names=[feature]
+                name=name, embedding_dim=DIM, num_embeddings=2**40, feature_names=[TIERED[name][0]]
             )
         )
-        options[name] = KVTableOptions(
-            capacity=buckets * WAYS,
-            eviction=policy,
-            admission_threshold=threshold,
-            seed=ord(name),
-            init_low=-0.1,
-            init_high=0.1,
-            ssd=SSDOptions(str(path / name), capacity=ssd_capacity, resume=False),
-        )
+        options[name] = _tiered_options(name, path)
     fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.2}
     return KVEmbeddingCollection(configs, options, fused_params=fused)
 
