@@ -59,9 +59,10 @@ class _Fetched:
 #: The threads of ``_per_table``, by the process that made them (a forked child
 #: makes its own: it has none of its parent's threads).
 _POOL: tuple[int, ThreadPoolExecutor] | None = None
-#: Tables whose tier work runs at once (why 2: measured on 2 cores, 4 tables of
-#: benchmarks/ssd_tier.py step in 44-50 ms on 2 threads against 53 ms on the
-#: calling thread alone, and 92 ms on 1 other thread; docs/ssd-tier.md).
+#: Tables whose tier work runs at once (why 2: on 2 cores the 4 tables of
+#: ``benchmarks.ssd_tier --tables 4`` stepped in 43.6-50.2 ms with 2 threads
+#: against 52.6 ms on the calling thread, each system timed on its own; one
+#: other thread was slower than the calling thread; docs/ssd-tier.md).
 TIER_THREADS = 2
 
 
