@@ -775,3 +775,54 @@ def test_tie_heavy_buckets_match_insert_torch(policy: EvictionPolicy) -> None:
         assert torch.equal(keys, want_keys) and torch.equal(scores, want_scores), at
         assert torch.equal(out.slots, want.slots[inverse]), at
         assert sorted(out.evicted_ids.tolist()) == sorted(want.evicted_ids.tolist()), at
+
+
+def test_promotions_are_per_table() -> None:
+    """An id in one table's promotions is promoted in that table only; the same id
+    looked up in another table is a new id there."""
+    group = Group(GROUPS["lru-lfu-custom-none"])
+    args = (group.layout, group.keys, group.scores, group.weights, group.state)
+    ids = torch.tensor([11, 11, 23, 40, 23, 11, 7])
+    table_idx = torch.tensor([0, 1, 1, 0, 3, 2, 1])
+    # table 0 holds 40 and 11 below; table 1 holds 23; tables 2 and 3 none
+    promote = native.TierPromotion(
+        torch.tensor([11, 40, 23]), torch.tensor([5, 6, 7]), torch.tensor([0, 2, 3, 3, 3])
+    )
+    out = native.lookup_train_group(
+        *args, ids, table_idx, [1] * 4, torch.arange(7), None, tier=promote
+    )
+    promoted = (out.unique_flags & native.UNIQUE_PROMOTED) != 0
+    got = sorted(
+        (int(t), int(i))
+        for t, i in zip(out.unique_table[promoted], out.unique_ids[promoted], strict=True)
+    )
+    assert got == [(0, 11), (0, 40), (1, 23)]
+    inserted = (out.unique_flags & native.UNIQUE_INSERTED) != 0
+    assert sorted(
+        (int(t), int(i))
+        for t, i in zip(out.unique_table[inserted], out.unique_ids[inserted], strict=True)
+    ) == [(1, 7), (1, 11), (2, 11), (3, 23)]
+
+
+@pytest.mark.parametrize(
+    "offsets, match",
+    [
+        (None, "offsets"),
+        ([0, 2, 1, 3, 3], "inconsistent"),  # a table's range ends before it starts
+        ([0, 1, 3, 3, 4], "inconsistent"),  # past the promotions
+        ([0, 3, 3, 3, 3], "inconsistent"),  # table 0's ids not ascending
+    ],
+    ids=["missing", "decreasing", "past-the-end", "not-ascending"],
+)
+def test_bad_promotion_offsets_are_refused_and_nothing_changes(offsets, match) -> None:
+    group = Group(GROUPS["lru-lfu-custom-none"])
+    before = group.clone_arrays()
+    offsets = None if offsets is None else torch.tensor(offsets)
+    promote = native.TierPromotion(torch.tensor([11, 40, 23]), torch.tensor([5, 6, 7]), offsets)
+    with pytest.raises((ValueError, native.NativeOpError), match=match):
+        native.lookup_train_group(
+            group.layout, group.keys, group.scores, group.weights, group.state,
+            torch.tensor([11, 23]), torch.tensor([0, 1]), [1] * 4, tier=promote,
+        )  # fmt: skip
+    for name, value in group.clone_arrays().items():
+        assert torch.equal(value, before[name]), f"{name} changed"
