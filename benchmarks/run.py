@@ -10,7 +10,8 @@ Runs, in turn, each benchmark module's ``main``:
 * ``dist``: distributed train step, KV row-wise vs stock table-wise
   (``benchmarks.dist_train``, which launches its own ``torchrun`` job);
 * ``ssd``: a tenth of the ids in memory with the SSD tier vs all in memory
-  (``benchmarks.ssd_tier``);
+  (``benchmarks.ssd_tier``; and for 4 such tables, each system timed on its own:
+  ``--tables 4 --sequential``);
 * ``checkpoint``: checkpoint save/load vs the disk's sequential rates
   (``benchmarks.checkpoint``);
 * ``soak``: a table at capacity over an SSD tier under constant churn, at the
@@ -43,11 +44,13 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from benchmarks.common import format_ratio, format_table, machine_summary, markdown_table
 
+#: Tables of the SSD tier's several-table figure (``ssd_tier --tables 4 --sequential``).
+SSD_TABLES = 4
 BENCHMARKS = ("ebc", "ec", "precision", "dist", "ssd", "checkpoint", "soak")
 RESULTS_FILE = "benchmark-results.md"
 GPU_RESULTS_FILE = "benchmark-results-gpu.md"
@@ -176,6 +179,14 @@ def run_ssd(quick: bool) -> tuple[list[Row], object]:
             Row("ssd", f"{ssd_tier.NO_SSD} / {ssd_tier.FULL}", rates[ssd_tier.NO_SSD], full,
                 "M ids/s", None)
         )  # fmt: skip
+    # Several tables with SSD tiers (one group), each system timed on its own.
+    config = replace(ssd_tier.QUICK if quick else ssd_tier.BenchConfig(), tables=SSD_TABLES)
+    ms = ssd_tier.sequential(config)
+    ids = config.ids_per_step / 1e3  # M ids per ms
+    rows.append(
+        Row("ssd", f"{SSD_TABLES} tables: {ssd_tier.SSD} / {ssd_tier.FULL}, sequential",
+            ids / ms[ssd_tier.SSD], ids / ms[ssd_tier.FULL], "M ids/s", None)
+    )  # fmt: skip
     return rows, result
 
 

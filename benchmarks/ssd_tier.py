@@ -311,6 +311,18 @@ def run_sequential(config: BenchConfig, workdir: str) -> dict[str, float]:
     return out
 
 
+def sequential(config: BenchConfig, directory: str | None = None) -> dict[str, float]:
+    """``run_sequential`` in a temporary directory under ``directory``, on
+    ``config.threads`` threads."""
+    previous_threads = set_threads(config.threads)
+    workdir = tempfile.mkdtemp(prefix="bench-ssd-", dir=directory)
+    try:
+        return run_sequential(config, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        torch.set_num_threads(previous_threads)
+
+
 # -------------------------------------------------------------- promotion
 def run_promotion(config: BenchConfig, workdir: str, verbose: bool) -> tuple[RateResult, ...]:
     """``lookup_train`` of ids only the SSD tier holds, into memory with room."""
@@ -563,12 +575,7 @@ def main(argv: Sequence[str] | None = None) -> BenchResult | None:
         print(profile_ssd(config, directory=args.dir))
         return None
     if args.sequential:
-        set_threads(config.threads)
-        workdir = tempfile.mkdtemp(prefix="bench-ssd-", dir=args.dir)
-        try:
-            ms = run_sequential(config, workdir)
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
+        ms = sequential(config, args.dir)
         print(
             f"{config.tables} table(s), each system on its own: all in memory "
             f"{ms[FULL]:.1f} ms a step, 10% + SSD {ms[SSD]:.1f} ms: {ms[FULL] / ms[SSD]:.2f}x"

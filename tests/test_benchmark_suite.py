@@ -28,6 +28,7 @@ def test_quick_suite_writes_table_and_plots(tmp_path: Path) -> None:
     for name in ("ebc", "ec", "precision", "ssd", "checkpoint"):
         assert any(cells[0] == name for cells in table), name
     assert not any(cells[0] == "dist" for cells in table)
+    assert any(f"{run.SSD_TABLES} tables:" in cells[1] for cells in table)  # grouped tiers
     assert "Machine: " in text and "python -m benchmarks.run --quick" in text
 
     for name in ("ratios.png", "ebc_throughput.png"):
