@@ -130,16 +130,7 @@ class KVTableGroup:
         no other of its dim and optimizer, looked up by its own path)."""
         group = cls.__new__(cls)
         counter_ids = table.counts.numel() if table.counts is not None else 0
-        weights, state = table.batch_rows()
-        storage = TableStorage(
-            table.keys,
-            table.scores,
-            weights,
-            state,
-            table.counter.keys if table.counter is not None else table.keys[:0],
-            table.counter.scores if table.counter is not None else table.scores[:0],
-            table.counts if table.counts is not None else table.keys.new_empty(0),
-        )
+        storage = table.storage()
         group._adopt([table], storage, [counter_ids])
         group.per_table_only = True
         group.pad = None
@@ -218,10 +209,17 @@ class KVTableGroup:
         (one per id) feed the CUSTOM_SCORE tables flagged in ``custom_tables``
         (default: all of them)."""
         if self.pad is not None:
-            return self._lookup_train_tiered(ids, table_idx, custom_scores, custom_tables)
+            self._begin_tiered_batch()
         backend = self.backend(ids.device)
         if backend == "torch":
             return self.lookup_train_per_table(ids, table_idx, custom_scores, custom_tables)
+        if self.pad is not None:  # tables with SSD tiers: one native pass (tiered_lookup)
+            if custom_scores is not None and custom_tables is None:
+                custom_tables = [True] * self.num_tables
+            return lookup_train_tiers(
+                self.tables, self.layout, self.storage, self.row_offsets, ids, table_idx,
+                custom_scores, custom_tables, self._scratch(backend),
+            )  # fmt: skip
         step = self.advance_clocks()
         use_custom = None
         if custom_scores is not None:
@@ -240,32 +238,6 @@ class KVTableGroup:
             self._scratch(backend),
         )
 
-    def _lookup_train_tiered(
-        self,
-        ids: torch.Tensor,
-        table_idx: torch.Tensor,
-        custom_scores: torch.Tensor | None,
-        custom_tables: Sequence[bool] | None,
-    ) -> GroupLookup:
-        """``lookup_train`` of a group of tables with SSD tiers: one native pass for
-        all of them (``tiered_lookup``), else the torch path table by table."""
-        self._begin_tiered_batch()
-        if not (native.use_native(ids.device) and ids.dtype == torch.int64):
-            return self.lookup_train_per_table(ids, table_idx, custom_scores, custom_tables)
-        if custom_scores is not None and custom_tables is None:
-            custom_tables = [True] * self.num_tables
-        return lookup_train_tiers(
-            self.tables,
-            self.layout,
-            self.storage,
-            self.row_offsets,
-            ids,
-            table_idx,
-            custom_scores,
-            custom_tables,
-            self._scratch("native"),
-        )
-
     def _begin_tiered_batch(self) -> None:
         """Every table writes its scratch rows of the last batch back; the pad starts
         over."""
@@ -274,7 +246,10 @@ class KVTableGroup:
         self.pad.begin_batch()
 
     def backend(self, device: torch.device) -> str:
-        """The backend of this group's lookups on ``device`` (``dispatch.group_backend``)."""
+        """The backend of this group's lookups on ``device`` (``dispatch.group_backend``;
+        tables with SSD tiers: the native kernel, else the torch path)."""
+        if self.pad is not None:
+            return "native" if native.use_native(device) else "torch"
         return dispatch.group_backend(device, self.per_table_only)
 
     def _scratch(self, backend: str) -> object | None:

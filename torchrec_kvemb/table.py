@@ -504,6 +504,21 @@ class KVTable:
         rows, and with an SSD tier its scratch rows after them (docs/ssd-tier.md)."""
         return self.weights, self.state
 
+    def storage(self) -> TableStorage:
+        """The table's arrays as one ``TableStorage`` (its rows: ``batch_rows()``; no
+        admission counter: empty arrays)."""
+        weights, state = self.batch_rows()
+        counter = self.counter
+        return TableStorage(
+            self.keys,
+            self.scores,
+            weights,
+            state,
+            counter.keys if counter is not None else self.keys[:0],
+            counter.scores if counter is not None else self.scores[:0],
+            self.counts if self.counts is not None else self.keys.new_empty(0),
+        )
+
     def rows_at(self, slots: torch.Tensor) -> torch.Tensor:
         """Weights and state of ``slots`` side by side: ``[n, dim + state_dim]``."""
         return torch.cat(

@@ -92,9 +92,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
             )
         rank = default_rank() if rank is None else rank
         self._pad = pad or ScratchPad(self.weights, self.state).for_table(0, 0)
-        self._layout: GroupLayout | None = None
-        self._workspace: native.Workspace | None = None
-        self._native_storage: TableStorage | None = None
+        self._native: tuple[GroupLayout, TableStorage, native.Workspace] | None = None
         self._store = SSDStore(name, dim, self.state_dim, ssd, rank)
         try:
             self._restore()
@@ -220,37 +218,27 @@ class TieredKVTable(KVTable, serves_ssd=True):
         promotions; evicted rows are demoted before promoted and new rows take
         their slots)."""
         self._begin_batch()
-        layout = self._native_layout()
+        layout, storage, workspace = self._native_group()
         return lookup_train_tiers(
             [self],
             layout,
-            self._native_storage,
+            storage,
             [0],
             ids,
             torch.zeros_like(ids),
             custom_scores,
             None if custom_scores is None else [True],
-            self._workspace,
+            workspace,
         )
 
-    def _native_layout(self) -> GroupLayout:
-        """This table as a group of one for the native kernel (built once)."""
-        if self._layout is None:
+    def _native_group(self) -> tuple[GroupLayout, TableStorage, native.Workspace]:
+        """This table as a group of one for the native kernel: its layout, arrays and
+        workspace (built once; the arrays grow in place with the scratch pad)."""
+        if self._native is None:
             counted = self.counts.numel() if self.counts is not None else 0
-            self._layout = GroupLayout.build(
-                [self.capacity // WAYS], [counted // WAYS], [self.options]
-            )
-            self._workspace = native.Workspace()
-            self._native_storage = TableStorage(
-                self.keys,
-                self.scores,
-                self.weights,
-                self.state,
-                self.counter.keys if self.counter is not None else self.keys[:0],
-                self.counter.scores if self.counter is not None else self.scores[:0],
-                self.counts if self.counts is not None else self.keys.new_empty(0),
-            )
-        return self._layout
+            layout = GroupLayout.build([self.capacity // WAYS], [counted // WAYS], [self.options])
+            self._native = (layout, self.storage(), native.Workspace())
+        return self._native
 
     def lookup_eval(self, ids: torch.Tensor) -> torch.Tensor:
         """``KVTable.lookup_eval`` over both tiers: ids held by the SSD tier are promoted

@@ -147,9 +147,10 @@ def lookup_train_tiers(
     no_room = (flags & native.UNIQUE_NO_ROOM) != 0
     slots_u = out.unique_slots.clone()
     owner = out.unique_table
-    ev_owner = torch.searchsorted(
-        torch.tensor(list(row_offsets[1:]), dtype=torch.int64), out.evicted_slots, right=True
-    )
+    ev_owner = None  # the table of each evicted row (a group of one: all its own)
+    if T > 1:
+        starts = torch.tensor(list(row_offsets[1:]), dtype=torch.int64)
+        ev_owner = torch.searchsorted(starts, out.evicted_slots, right=True)
 
     def settle(t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Table ``t``'s rows after the kernel: counters, demotions, promoted and new
@@ -162,7 +163,7 @@ def lookup_train_tiers(
         table.count("ssd_hits", promoted_occ[t])
         table.count("ssd_misses", metrics[t][1] - promoted_occ[t])
         table._store.remove(f.ssd_slots)  # every promotion leaves the tier: memory or scratch
-        gone = (ev_owner == t).nonzero().squeeze(1) if T > 1 else slice(None)
+        gone = (ev_owner == t).nonzero().squeeze(1) if ev_owner is not None else slice(None)
         table._demote(
             out.evicted_ids[gone], out.evicted_slots[gone] - offset, out.evicted_scores[gone]
         )

@@ -133,8 +133,13 @@ class TablePad:
 
     @property
     def arrays(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pad's arrays: the memory rows, then the scratch rows."""
-        return self.pad.arrays
+        """What the table's slots address: the pad's arrays from the table's first row
+        on (the memory rows, then the scratch rows; row 0: the growing arrays
+        themselves)."""
+        if self.row_offset == 0:
+            return self.pad.arrays
+        weights, state = self.pad.arrays
+        return weights[self.row_offset :], state[self.row_offset :]
 
     @property
     def pending(self) -> int:
@@ -164,7 +169,7 @@ class TablePad:
         n = rows.shape[0]
         start = self.pad.take(n, self.table)
         self.pending_ids, self.pending_scores, self._start = ids, scores, start
-        weights, state = self.arrays
+        weights, state = self.pad.arrays
         lo = self.pad.capacity + start
         dim = weights.shape[1]
         weights[lo : lo + n] = rows[:, :dim]
@@ -174,7 +179,7 @@ class TablePad:
     def pending_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(ids, scores, rows [n, dim + state_dim])`` waiting to be written back (a
         copy; empty when none)."""
-        weights, state = self.arrays
+        weights, state = self.pad.arrays
         lo = self.pad.capacity + self._start
         hi = lo + self.pending
         rows = torch.cat([weights[lo:hi], state[lo:hi].to(weights.dtype)], dim=1)
@@ -185,7 +190,7 @@ class TablePad:
 
     def find(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(positions in ids, weights [k, dim])`` of the ``ids`` waiting in the pad."""
-        weights = self.arrays[0]
+        weights = self.pad.arrays[0]
         if not self.pending:
             return ids[:0], weights[:0]
         where = torch.searchsorted(self.pending_ids, ids).clamp(max=self.pending - 1)
