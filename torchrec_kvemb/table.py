@@ -330,12 +330,14 @@ class KVTable:
 
     def rows_of_slots(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """``weights``, ``scores`` and the optimizer state by name of ``slots``."""
-        out = {
-            "weights": self.weights.index_select(0, slots),
-            "scores": self.index.scores_at(slots),
-        }
-        out.update(self.optim.split_state(self.state.index_select(0, slots), self.dim))
-        return out
+        return {name: array.index_select(0, slots) for name, array in self.row_arrays().items()}
+
+    def row_arrays(self) -> dict[str, torch.Tensor]:
+        """The in-memory arrays (views, one row per slot) whose rows at ``slots`` are
+        :meth:`rows_of_slots`: ``weights``, ``scores``, the optimizer state by name."""
+        arrays = {"weights": self.weights, "scores": self.index.scores.view(-1)}
+        arrays.update(self.optim.split_state(self.state, self.dim))
+        return arrays
 
     def metrics(self) -> dict[str, float]:
         """Counters since creation, plus ``size``, ``capacity`` and ``load_factor`` (of

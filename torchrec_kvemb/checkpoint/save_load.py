@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -49,6 +50,7 @@ from torchrec_kvemb.checkpoint.optimizer_state import (
 from torchrec_kvemb.checkpoint.placement import WEIGHT, RowPlacer, TablePlacement
 from torchrec_kvemb.checkpoint.reader import ParallelFileSystemReader, RowRangePlanner
 from torchrec_kvemb.checkpoint.row_stream import RowBlock, stream_rows
+from torchrec_kvemb.checkpoint.writer import RowStreamWriter
 from torchrec_kvemb.state_dict import (
     ADMISSION_KEYS,
     ROW_KEYS,
@@ -62,6 +64,7 @@ from torchrec_kvemb.state_dict import (
     kv_table_slots,
     restore_table,
 )
+from torchrec_kvemb.state_dict.deferred import deferring
 
 MODEL = "model"
 #: What to do with a stock table's rows in a checkpoint of a KV model.
@@ -90,7 +93,8 @@ def save(
     check_target(path)
     slots = kv_table_slots(model)
     tables = _table_configs(slots, group)
-    state: dict[str, Any] = {MODEL: model.state_dict()}
+    with deferring() as deferred:  # rows are filled as they are written (writer.py)
+        state: dict[str, Any] = {MODEL: model.state_dict()}
     fused = fused_state(model, slots)
     rates = learning_rates(slots)
     if rates:
@@ -101,13 +105,21 @@ def save(
         state[OPTIM] = optimizer_state(model, optimizer)
     token = comm.broadcast(uuid.uuid4().hex if comm.rank(group) == 0 else None, group)
     tmp = f"{path}.tmp-{token}"
-    with comm.single_process_ok():
-        dcp.save(
-            state,
-            storage_writer=dcp.FileSystemWriter(tmp, thread_count=thread_count),
-            process_group=group,
-            no_dist=group is None,
-        )
+    try:
+        with comm.single_process_ok():
+            dcp.save(
+                state,
+                storage_writer=RowStreamWriter(tmp, thread_count=thread_count, deferred=deferred),
+                process_group=group,
+                no_dist=group is None,
+            )
+    except CheckpointException as err:  # every rank gets it
+        shutil.rmtree(tmp, ignore_errors=True)
+        rank, (first, _) = next(iter(err.failures.items()))
+        raise CheckpointError(
+            f"checkpoint {path!r}: writing failed on rank {rank}: {type(first).__name__}: "
+            f"{first}; {path!r} is unchanged and the partly written files are removed"
+        ) from err
     comm.barrier(group)
     error = None
     if comm.rank(group) == 0:

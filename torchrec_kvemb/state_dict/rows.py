@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from torchrec_kvemb.dispatch import route_bucket
+from torchrec_kvemb.state_dict.deferred import active as active_deferral
 from torchrec_kvemb.table import KVTable
 
 #: Optimizer state names of every supported optimizer (``FusedOptimConfig.state_names``).
@@ -73,13 +74,20 @@ def bucket_order(ids: torch.Tensor, num_buckets: int) -> tuple[torch.Tensor, tor
 def table_state(table: KVTable) -> dict[str, torch.Tensor]:
     """A table's state_dict entries (key suffixes after ``embedding_bags.<table>.``),
     rows sorted by routing bucket, then id. A table on the ``meta`` device gives
-    empty entries of the right dims and dtypes, on ``meta``."""
+    empty entries of the right dims and dtypes, on ``meta``. Inside
+    :func:`~torchrec_kvemb.state_dict.deferred.deferring`, the row entries of a table
+    in CPU memory are placeholders a checkpoint writer fills."""
     num_buckets = table.options.total_num_buckets
-    data = table_rows(table)
+    deferred = active_deferral()
+    data = deferred.table_entries(table) if deferred is not None else None
+    if data is None:
+        data = table_rows(table)
     out = {"weight": data["weights"], "weight_id": data["ids"], "weight_score": data["scores"]}
     for name in table.optim.state_names():
         out[name] = data[name]
-    if table.device.type == "meta":
+    if "bucket" in data:
+        out["bucket"] = data["bucket"]
+    elif table.device.type == "meta":
         out["bucket"] = torch.zeros(num_buckets, dtype=torch.int64, device=table.device)
     else:
         ids = data["ids"]
