@@ -17,7 +17,7 @@ extern "C" {
 
 // Bump on any change of a signature or struct below; native.py refuses a
 // library whose version differs (a stale build).
-#define KV_ABI_VERSION 4
+#define KV_ABI_VERSION 5
 
 enum KvStatus {
   KV_OK = 0,
@@ -249,6 +249,12 @@ int kv_record_checksum(const int64_t* block, int64_t k, int64_t words, int64_t n
 int kv_write_records(int64_t* slab, int64_t slab_records, int64_t words, const int64_t* records,
                      int64_t k, const int64_t* ids, const int64_t* scores, const float* rows,
                      int64_t width, int64_t num_threads);
+
+// CRC-32 of data[0, n) continuing crc: zlib's crc32(crc, data, n), into *out.
+int kv_crc32(const uint8_t* data, int64_t n, uint32_t crc, uint32_t* out);
+// 1 where kv_crc32 folds with carry-less multiplies (x86-64 with PCLMULQDQ),
+// else 0 (a byte-wise table, slower than zlib).
+int kv_crc32_folds(void);
 
 #ifdef __cplusplus
 }

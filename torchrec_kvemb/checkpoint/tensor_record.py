@@ -6,7 +6,8 @@ the tensor and ``<archive>/data/0`` holding its elements. ``torch.save`` needs t
 whole tensor in memory and checksums it with a CRC-32 that runs at about 2.4 GB/s
 here; :func:`write_tensor` writes the same archive from blocks of the tensor's
 bytes (a deferred table entry is gathered block by block into one reused buffer,
-never whole) and checksums them with zlib's CRC-32 (about 4.2 GB/s here).
+never whole) and checksums them with :func:`~torchrec_kvemb.ops.checksum.crc32`
+(about 14 GB/s here with the native kernels, 4.2 with zlib).
 
 What it writes reads as a ``torch.save`` record everywhere: ``torch.load``, DCP's
 ``FileSystemReader``, ``zipfile`` (CRC-32 checked) and
@@ -38,6 +39,8 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 import torch
+
+from torchrec_kvemb.ops.checksum import crc32
 
 #: The typed storage class ``torch.save`` names in its pickle for each dtype.
 STORAGE_TYPES = {
@@ -241,7 +244,7 @@ def write_tensor(
     for block in blocks:
         if written + len(block) > nbytes:
             raise ValueError(f"write_tensor: blocks exceed the tensor's {nbytes} bytes")
-        crc = zlib.crc32(block, crc)
+        crc = crc32(block, crc)
         record.write(block)
         written += len(block)
     if written != nbytes:

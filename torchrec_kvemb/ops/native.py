@@ -54,7 +54,7 @@ from torchrec_kvemb.validation import KVInputError
 #: The shared library's extension name (setup.py builds csrc/ into it).
 LIBRARY = "torchrec_kvemb._kvemb_native"
 #: Must equal KV_ABI_VERSION in csrc/kvemb_native.h.
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 #: Columns of ``TrainLookup.metrics``: the ``KVTable.metrics()`` counters they add to.
 METRIC_NAMES = (
@@ -259,6 +259,8 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
     lib.kv_place.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _PTR]
     lib.kv_record_checksum.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
     lib.kv_write_records.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64]
+    lib.kv_crc32.argtypes = [_PTR, _I64, ctypes.c_uint32, _PTR]
+    lib.kv_crc32_folds.argtypes = []
     for fn in (
         lib.kv_index_bucket,
         lib.kv_init_uniform,
@@ -272,6 +274,8 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
         lib.kv_read_records,
         lib.kv_record_checksum,
         lib.kv_write_records,
+        lib.kv_crc32,
+        lib.kv_crc32_folds,
         lib.kv_cpu_has_avx2,
         lib.kv_build_has_avx2,
     ):
@@ -594,6 +598,21 @@ def scatter_rows(
         _threads(num_threads, k * dest.shape[1]),
     )
     _check_status(status, "scatter_rows")
+
+
+# ---------------------------------------------------------------- checksums
+def crc32(address: int, n: int, value: int = 0) -> int:
+    """``zlib.crc32`` of the ``n`` bytes at ``address``, continuing ``value``."""
+    out = ctypes.c_uint32()
+    status = _lib().kv_crc32(address, n, value & 0xFFFFFFFF, ctypes.byref(out))
+    _check_status(status, "crc32")
+    return out.value
+
+
+def crc32_folds() -> bool:
+    """Whether :func:`crc32` folds with carry-less multiplies here (x86-64 with
+    PCLMULQDQ); where it does not, zlib's is faster."""
+    return available() and bool(_lib().kv_crc32_folds())
 
 
 # ------------------------------------------------------------ slab records
