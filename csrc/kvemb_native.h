@@ -250,6 +250,15 @@ int kv_write_records(int64_t* slab, int64_t slab_records, int64_t words, const i
                      int64_t k, const int64_t* ids, const int64_t* scores, const float* rows,
                      int64_t width, int64_t num_threads);
 
+// The n ids stored in keys [num_slots] (-1: empty) and their slots, ordered by
+// routing bucket fmix64(id ^ salt) % num_route_buckets (top bit cleared), then
+// by id, into out_ids / out_slots [n]; counts [num_route_buckets]: ids per
+// routing bucket. Refuses (KV_BAD_ARGUMENT, outputs undefined) when keys does
+// not hold exactly n ids.
+int kv_export_order(const int64_t* keys, int64_t num_slots, uint64_t salt,
+                    int64_t num_route_buckets, int64_t n, int64_t* out_ids, int64_t* out_slots,
+                    int64_t* counts);
+
 // CRC-32 of data[0, n) continuing crc: zlib's crc32(crc, data, n), into *out.
 int kv_crc32(const uint8_t* data, int64_t n, uint32_t crc, uint32_t* out);
 // 1 where kv_crc32 folds with carry-less multiplies (x86-64 with PCLMULQDQ),

@@ -38,6 +38,7 @@ from torchrec_kvemb.ops.block_bucketize import (
     bucketize_prepared_torch,
     prepare_inputs,
 )
+from torchrec_kvemb.ops.export_order import export_order_torch
 from torchrec_kvemb.ops.insert import insert_torch
 from torchrec_kvemb.ops.optimizer_update import (
     fbgemm_supports,
@@ -126,6 +127,18 @@ def bulk_load(
         src = (slots >= 0).nonzero().squeeze(1)
         return src, slots[src]
     return bulk_load_torch(keys, scores, ids, values)
+
+
+def export_order(
+    keys: torch.Tensor, route_buckets: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ids, slots, counts)``: the ids stored in ``keys`` by routing bucket, then id,
+    their slots, and ids per routing bucket (``ops/export_order.py``)."""
+    if native.use_native(keys.device) and keys.is_contiguous() and keys.dtype == torch.int64:
+        # why native: a counting sort by routing bucket instead of a radix sort of
+        # every id (a checkpoint orders each table it saves: 70 ms per 1M ids).
+        return native.export_order(keys.view(-1), route_buckets, ROUTE_SALT)
+    return export_order_torch(keys, route_buckets)
 
 
 def scatter_rows(dest: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:

@@ -26,7 +26,6 @@ from torchrec_kvemb.contracts import (
     init_spec,
     seed_mix,
 )
-from torchrec_kvemb.dispatch import route_bucket
 from torchrec_kvemb.index import BucketIndex
 from torchrec_kvemb.memory import bytes_per_row, resolve_capacity, table_memory
 from torchrec_kvemb.optimizer import FusedOptimConfig
@@ -311,22 +310,20 @@ class KVTable:
 
     def export_order(self, route_buckets: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ids, slots)`` of every id stored in memory, in ``export``'s order."""
-        slots = self.index.live_slots()
-        ids = self.index.ids_at(slots)
-        shift = 63 - max(1, route_buckets or 1).bit_length()
-        if route_buckets is not None and ids.numel() and int(ids.max()) < (1 << shift):
-            # why: ids below 2**shift leave room for the bucket above them in one int64
-            # key (unique, as the ids are): one sort instead of two (1M ids: 40-150 ms).
-            key = route_bucket(ids, route_buckets).bitwise_left_shift_(shift).bitwise_or_(ids)
-            order = torch.sort(key).indices
-            return ids.index_select(0, order), slots.index_select(0, order)
-        ids, order = torch.sort(ids)
         if route_buckets is not None:
-            # why before gathering: each row is gathered once (export then reorder
-            # gathered twice: 1.3 s instead of 0.6 s for 1M rows of dim 64).
-            by_bucket = torch.sort(route_bucket(ids, route_buckets), stable=True).indices
-            ids, order = ids.index_select(0, by_bucket), order.index_select(0, by_bucket)
+            ids, slots, _ = self.checkpoint_order(route_buckets)
+            return ids, slots
+        slots = self.index.live_slots()
+        ids, order = torch.sort(self.index.ids_at(slots))
         return ids, slots.index_select(0, order)
+
+    def checkpoint_order(
+        self, route_buckets: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(ids, slots, counts)``: the ids stored in memory sorted by routing bucket
+        among ``route_buckets``, then id (a checkpoint's order), their slots, and ids
+        per routing bucket."""
+        return dispatch.export_order(self.index.keys, route_buckets)
 
     def rows_of_slots(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """``weights``, ``scores`` and the optimizer state by name of ``slots``."""

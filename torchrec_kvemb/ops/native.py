@@ -259,6 +259,7 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
     lib.kv_place.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _PTR]
     lib.kv_record_checksum.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
     lib.kv_write_records.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64]
+    lib.kv_export_order.argtypes = [_PTR, _I64, ctypes.c_uint64, _I64, _I64, _PTR, _PTR, _PTR]
     lib.kv_crc32.argtypes = [_PTR, _I64, ctypes.c_uint32, _PTR]
     lib.kv_crc32_folds.argtypes = []
     for fn in (
@@ -274,6 +275,7 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
         lib.kv_read_records,
         lib.kv_record_checksum,
         lib.kv_write_records,
+        lib.kv_export_order,
         lib.kv_crc32,
         lib.kv_crc32_folds,
         lib.kv_cpu_has_avx2,
@@ -432,6 +434,29 @@ def index_bucket(ids: torch.Tensor, num_buckets: int) -> torch.Tensor:
     )
     _check_status(status, "index_bucket")
     return out
+
+
+def export_order(
+    keys: torch.Tensor, route_buckets: int, salt: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ops.export_order.export_order_torch(keys, route_buckets)`` for flat ``keys``
+    (routing hash salt ``salt``): a counting sort by routing bucket, then by id."""
+    n = int((keys >= 0).sum())
+    ids = torch.empty(n, dtype=torch.int64)
+    slots = torch.empty(n, dtype=torch.int64)
+    counts = torch.empty(int(route_buckets), dtype=torch.int64)
+    status = _lib().kv_export_order(
+        _tensor(keys, "keys", torch.int64, (-1,)),
+        keys.numel(),
+        salt & 0xFFFFFFFFFFFFFFFF,
+        int(route_buckets),
+        n,
+        ids.data_ptr(),
+        slots.data_ptr(),
+        counts.data_ptr(),
+    )
+    _check_status(status, "export_order")
+    return ids, slots, counts
 
 
 def init_uniform(

@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from torchrec_kvemb.dispatch import route_bucket
 from torchrec_kvemb.table import KVTable
 
 
@@ -50,31 +49,21 @@ class TableExport:
         self.rows = table.size
         self.num_buckets = table.options.total_num_buckets
         self._lock = threading.Lock()
-        self._order: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._counts: torch.Tensor | None = None
+        self._order: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def order(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(ids, slots)`` in checkpoint order."""
+    def order(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(ids, slots, counts)`` in checkpoint order (``KVTable.checkpoint_order``)."""
         with self._lock:
             if self._order is None:
-                ids, slots = self.table.export_order(self.num_buckets)
-                if ids.numel() != self.rows:
+                order = self.table.checkpoint_order(self.num_buckets)
+                if order[0].numel() != self.rows:
                     raise RuntimeError(
-                        f"table {self.table.name!r}: {ids.numel()} rows stored now, "
+                        f"table {self.table.name!r}: {order[0].numel()} rows stored now, "
                         f"{self.rows} when its state_dict was taken: a table must not "
                         "change while a checkpoint of it is written"
                     )
-                self._order = ids, slots
+                self._order = order
             return self._order
-
-    def bucket_counts(self) -> torch.Tensor:
-        """Rows per routing bucket."""
-        ids, _ = self.order()
-        with self._lock:
-            if self._counts is None:
-                buckets = route_bucket(ids, self.num_buckets)
-                self._counts = torch.bincount(buckets, minlength=self.num_buckets)
-            return self._counts
 
 
 @dataclass(frozen=True)
@@ -91,10 +80,10 @@ class DeferredEntry:
     def fill(self, first: int, out: torch.Tensor) -> None:
         """Write rows ``[first, first + len(out))`` of the entry into ``out``."""
         stop = first + out.shape[0]
+        ids, slots, counts = self.export.order()
         if self.field == "bucket":
-            out.copy_(self.export.bucket_counts()[first:stop])
+            out.copy_(counts[first:stop])
             return
-        ids, slots = self.export.order()
         if self.field == "ids":
             out.copy_(ids[first:stop])
             return
