@@ -101,7 +101,11 @@ class RowStreamWriter(FileSystemWriter):
             blocks = _filled_blocks(entry, first, rows, self.block_bytes)
             write_tensor(f, tensor.dtype, tuple(tensor.shape), blocks)
             return
-        if type(tensor) is not torch.Tensor or not writable(tensor.dtype) or tensor.is_sparse:
+        if (
+            type(tensor) is not torch.Tensor
+            or tensor.layout != torch.strided
+            or not writable(tensor.dtype)
+        ):
             torch.save(tensor, f)
             return
         tensor = tensor.detach().cpu().contiguous()

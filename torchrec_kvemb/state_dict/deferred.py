@@ -42,7 +42,13 @@ from torchrec_kvemb.table import KVTable
 
 class TableExport:
     """A table's rows in checkpoint order (routing bucket, then id), ordered once,
-    on first use, by whichever thread asks first."""
+    on first use, by whichever thread asks first.
+
+    Example::
+
+        export = TableExport(table)
+        ids, slots, counts = export.order()   # the same tensors on every call
+    """
 
     def __init__(self, table: KVTable) -> None:
         self.table = table
@@ -70,7 +76,12 @@ class TableExport:
 class DeferredEntry:
     """One deferred entry of a table: ``ids``, ``bucket`` (rows per routing bucket),
     or an array of the table (``weights``, ``scores``, an optimizer state) read at
-    the export's slots."""
+    the export's slots.
+
+    Example::
+
+        entry.fill(1000, buffer[:500])   # rows 1000 .. 1499 of the entry
+    """
 
     export: TableExport
     field: str
@@ -93,7 +104,14 @@ class DeferredEntry:
 
 @dataclass
 class DeferredEntries:
-    """The placeholders of one :func:`deferring` block, by their memory's address."""
+    """The placeholders of one :func:`deferring` block, by their memory's address.
+
+    Example::
+
+        entries = DeferredEntries()
+        weight = entries.table_entries(table)["weights"]   # a placeholder
+        entry, first, n = entries.find(weight[10:20])      # (its entry, 10, 10)
+    """
 
     _entries: dict[int, DeferredEntry] = field(default_factory=dict)
     _exports: dict[int, TableExport] = field(default_factory=dict)
