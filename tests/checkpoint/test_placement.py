@@ -7,6 +7,7 @@ table as it was."""
 
 import errno
 import os
+import threading
 
 import pytest
 import torch
@@ -150,4 +151,39 @@ def test_placing_error_changes_nothing(tmp_path, small_blocks, monkeypatch):
     with pytest.raises(CheckpointError, match="MemoryError: no memory for a block"):
         checkpoint.load(target, tmp_path / "ckpt")
     assert calls["n"] >= 6
+    assert_equal(arrays(target), before, _unchanged_keys())
+
+
+def test_tables_are_planned_once_on_the_reading_threads(tmp_path, small_blocks, monkeypatch):
+    """Each table is planned exactly once, by a reading thread (not the placing one),
+    and the load equals one through ``load_state_dict``."""
+    source, target, _ = saved_and_trained_target(tmp_path)
+    planners: list[tuple[str, str]] = []
+    real_plan = placement.TablePlacement.plan
+
+    def recording_plan(self):
+        planners.append((self.table.name, threading.current_thread().name))
+        real_plan(self)
+
+    monkeypatch.setattr(placement.TablePlacement, "plan", recording_plan)
+    checkpoint.load(target, tmp_path / "ckpt")
+    assert sorted(name for name, _ in planners) == ["item", "user"]
+    assert all(thread.startswith("kvemb-rows") for _, thread in planners), planners
+    reference = build()
+    reference.load_state_dict(source.state_dict())
+    assert_equal(arrays(target), arrays(reference), _unchanged_keys())
+
+
+def test_a_plan_that_fails_on_a_reading_thread_changes_nothing(tmp_path, small_blocks, monkeypatch):
+    _, target, before = saved_and_trained_target(tmp_path)
+    real_plan = placement.TablePlacement.plan
+
+    def failing_plan(self):
+        if self.table.name == "item":
+            raise MemoryError("no memory for the staged index")
+        real_plan(self)
+
+    monkeypatch.setattr(placement.TablePlacement, "plan", failing_plan)
+    with pytest.raises(CheckpointError, match="MemoryError: no memory for the staged index"):
+        checkpoint.load(target, tmp_path / "ckpt")
     assert_equal(arrays(target), before, _unchanged_keys())

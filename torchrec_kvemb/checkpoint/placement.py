@@ -69,10 +69,17 @@ class TablePlacement:
     _every_row: bool = True
     _kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
     _placed: dict[str, int] = field(default_factory=dict)
+    _plan_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def planned(self) -> bool:
         return self.index is not None
+
+    def ensure_planned(self) -> None:
+        """:meth:`plan` once, whichever thread asks first (the others wait for it)."""
+        with self._plan_lock:
+            if not self.planned:
+                self.plan()
 
     def plan(self) -> None:
         """Slots of the new content (a staged index), and the old rows those slots
@@ -167,11 +174,19 @@ class RowPlacer:
         self._error: BaseException | None = None
 
     def post(self, block: RowBlock) -> None:
-        """A block of rows was read (any thread); its buffer is released once placed."""
-        if block.key in self._keys:
-            self._queue.put(block)
-        else:
+        """A block of rows was read (any thread); its buffer is released once placed.
+        The first block of a table plans it on the posting thread (why: the reading
+        threads plan the tables side by side, where the placing thread planned them
+        one after the other while every reader waited for a free buffer)."""
+        if block.key not in self._keys:
             block.release()
+            return
+        try:
+            self.tables[self._keys[block.key][0]].ensure_planned()
+        except BaseException:
+            block.release()
+            raise
+        self._queue.put(block)
 
     @contextmanager
     def running(self) -> Iterator[None]:
@@ -188,8 +203,7 @@ class RowPlacer:
         if self._error is not None:
             raise self._error
         for placement in self.tables:
-            if not placement.planned:
-                placement.plan()
+            placement.ensure_planned()
             missing = placement.unplaced()
             if missing:
                 raise RuntimeError(
@@ -201,10 +215,7 @@ class RowPlacer:
             try:
                 if self._error is None:
                     position, entry = self._keys[block.key]
-                    placement = self.tables[position]
-                    if not placement.planned:
-                        placement.plan()
-                    placement.place(entry, block.start, block.rows)
+                    self.tables[position].place(entry, block.start, block.rows)
             except BaseException as e:  # re-raised by running()
                 self._error = e
             finally:
