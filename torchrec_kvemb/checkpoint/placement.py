@@ -9,7 +9,8 @@ changes before :meth:`RowPlacer.commit`:
 * the slots come from a staged index (:meth:`BucketIndex.bulk_load` into an empty
   index of the table's bucket count: the slots a load into the cleared table gives),
   so the table's index, scores, counters and step counters keep the old content
-  until commit, which copies the staged index in;
+  until commit, which copies the staged index in; a table's index is planned by
+  the reading thread that posts its first block, so tables plan side by side;
 * before a table's first block lands, the rows of its live slots that the new
   content will overwrite are kept aside; :meth:`RowPlacer.rollback` writes them
   back. Slots that hold no id may keep rows of a failed load: no id reads them
