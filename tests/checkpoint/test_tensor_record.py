@@ -11,13 +11,9 @@ import zipfile
 import pytest
 import torch
 
-from torchrec_kvemb.checkpoint.saved_tensor import locate
-from torchrec_kvemb.checkpoint.tensor_record import (
-    ALIGNMENT,
-    STORAGE_TYPES,
-    bytes_of,
-    write_tensor,
-)
+from torchrec_kvemb.checkpoint.saved_tensor import STORAGE_TYPES, locate
+from torchrec_kvemb.checkpoint.saved_tensor import writable_bytes as bytes_of
+from torchrec_kvemb.checkpoint.tensor_record import ALIGNMENT, write_tensor
 
 SHAPES = [(7, 5), (13,), (), (0, 3), (3, 1, 2)]
 

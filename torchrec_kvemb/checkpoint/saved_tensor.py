@@ -38,19 +38,20 @@ import torch
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _LOCAL_SIGNATURE = b"PK\x03\x04"
-#: The typed storage classes ``torch.save`` names in its pickle, by dtype.
-_STORAGE_DTYPES = {
-    "DoubleStorage": torch.float64,
-    "FloatStorage": torch.float32,
-    "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16,
-    "LongStorage": torch.int64,
-    "IntStorage": torch.int32,
-    "ShortStorage": torch.int16,
-    "CharStorage": torch.int8,
-    "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool,
+#: The typed storage class ``torch.save`` names in its pickle for each dtype.
+STORAGE_TYPES = {
+    torch.float64: "DoubleStorage",
+    torch.float32: "FloatStorage",
+    torch.float16: "HalfStorage",
+    torch.bfloat16: "BFloat16Storage",
+    torch.int64: "LongStorage",
+    torch.int32: "IntStorage",
+    torch.int16: "ShortStorage",
+    torch.int8: "CharStorage",
+    torch.uint8: "ByteStorage",
+    torch.bool: "BoolStorage",
 }
+_STORAGE_DTYPES = {name: dtype for dtype, name in STORAGE_TYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -210,8 +211,10 @@ def locate(stream: BinaryIO, offset: int, length: int) -> SavedTensor | None:
 
 
 def writable_bytes(tensor: torch.Tensor) -> memoryview:
-    """The memory of a contiguous CPU ``tensor`` as a writable byte view."""
+    """The memory of a contiguous CPU ``tensor`` as a writable byte view (no copy)."""
     nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 

@@ -21,12 +21,11 @@ and offsets on every entry, so one layout serves records past 4 GiB.
 Example::
 
     with open(path, "wb", buffering=0) as f:
-        length = write_tensor(f, torch.float32, (3, 5), [bytes_of(rows)])
+        length = write_tensor(f, torch.float32, (3, 5), [writable_bytes(rows)])
 """
 
 from __future__ import annotations
 
-import ctypes
 import io
 import pickle
 import struct
@@ -40,21 +39,8 @@ from typing import BinaryIO
 
 import torch
 
+from torchrec_kvemb.checkpoint.saved_tensor import STORAGE_TYPES
 from torchrec_kvemb.ops.checksum import crc32
-
-#: The typed storage class ``torch.save`` names in its pickle for each dtype.
-STORAGE_TYPES = {
-    torch.float64: "DoubleStorage",
-    torch.float32: "FloatStorage",
-    torch.float16: "HalfStorage",
-    torch.bfloat16: "BFloat16Storage",
-    torch.int64: "LongStorage",
-    torch.int32: "IntStorage",
-    torch.int16: "ShortStorage",
-    torch.int8: "CharStorage",
-    torch.uint8: "ByteStorage",
-    torch.bool: "BoolStorage",
-}
 
 ARCHIVE = "archive"
 ALIGNMENT = 64
@@ -75,14 +61,6 @@ _CRC_FIELD = 14  # offset of the CRC-32 in a local header
 def writable(dtype: torch.dtype) -> bool:
     """Whether :func:`write_tensor` writes tensors of ``dtype``."""
     return dtype in STORAGE_TYPES
-
-
-def bytes_of(tensor: torch.Tensor) -> memoryview:
-    """The memory of a contiguous CPU ``tensor`` as a byte view (no copy)."""
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 def write_all(f: BinaryIO, data: memoryview | bytes) -> int:

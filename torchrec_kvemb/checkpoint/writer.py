@@ -32,7 +32,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from torchrec_kvemb.checkpoint.tensor_record import bytes_of, writable, write_all, write_tensor
+from torchrec_kvemb.checkpoint.saved_tensor import writable_bytes
+from torchrec_kvemb.checkpoint.tensor_record import writable, write_all, write_tensor
 from torchrec_kvemb.state_dict.deferred import DeferredEntries, DeferredEntry
 
 #: Bytes of a deferred entry filled and written at a time (per writer thread).
@@ -109,7 +110,7 @@ class RowStreamWriter(FileSystemWriter):
             torch.save(tensor, f)
             return
         tensor = tensor.detach().cpu().contiguous()
-        whole = bytes_of(tensor)
+        whole = writable_bytes(tensor)
         step = self.block_bytes
         blocks = (whole[i : i + step] for i in range(0, len(whole), step))
         write_tensor(f, tensor.dtype, tuple(tensor.shape), blocks)
@@ -126,7 +127,7 @@ def _filled_blocks(
     for start in range(0, rows, per_block):
         part = buffer[: min(per_block, rows - start)]
         entry.fill(first + start, part)
-        yield bytes_of(part)
+        yield writable_bytes(part)
 
 
 def split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
