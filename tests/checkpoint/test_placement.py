@@ -91,6 +91,13 @@ def _unchanged_keys() -> list[str]:
     return keys + [f"export.{k}" for k in ("ids", "weights", "scores", "momentum1")]
 
 
+def assert_loaded(target, source) -> None:
+    """``target`` holds what a load of ``source`` through ``load_state_dict`` gives."""
+    reference = build()
+    reference.load_state_dict(source.state_dict())
+    assert_equal(arrays(target), arrays(reference), _unchanged_keys())
+
+
 def saved_and_trained_target(tmp_path):
     """A trained model saved to ``tmp_path / "ckpt"``, another trained model to load
     it into, and that model's arrays before the load."""
@@ -131,9 +138,7 @@ def test_read_error_mid_stream_changes_nothing(tmp_path, small_blocks, monkeypat
     assert_equal(arrays(target), before, _unchanged_keys())
     monkeypatch.undo()
     checkpoint.load(target, tmp_path / "ckpt")  # the fault is gone: it loads
-    reference = build()
-    reference.load_state_dict(source.state_dict())
-    assert_equal(arrays(target), arrays(reference), _unchanged_keys())
+    assert_loaded(target, source)
 
 
 def test_placing_error_changes_nothing(tmp_path, small_blocks, monkeypatch):
@@ -169,9 +174,7 @@ def test_tables_are_planned_once_on_the_reading_threads(tmp_path, small_blocks, 
     checkpoint.load(target, tmp_path / "ckpt")
     assert sorted(name for name, _ in planners) == ["item", "user"]
     assert all(thread.startswith("kvemb-rows") for _, thread in planners), planners
-    reference = build()
-    reference.load_state_dict(source.state_dict())
-    assert_equal(arrays(target), arrays(reference), _unchanged_keys())
+    assert_loaded(target, source)
 
 
 def test_a_plan_that_fails_on_a_reading_thread_changes_nothing(tmp_path, small_blocks, monkeypatch):
