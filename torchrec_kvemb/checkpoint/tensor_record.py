@@ -40,6 +40,7 @@ from typing import BinaryIO
 import torch
 
 from torchrec_kvemb.checkpoint.saved_tensor import STORAGE_TYPES
+from torchrec_kvemb.checkpoint.writeback import start_writeback
 from torchrec_kvemb.ops.checksum import crc32
 
 ARCHIVE = "archive"
@@ -130,7 +131,9 @@ class _Record:
         self.entries: list[_Entry] = []
 
     def write(self, data: memoryview | bytes) -> None:
-        self.pos += write_all(self.f, data)
+        n = write_all(self.f, data)
+        start_writeback(self.f, self.start + self.pos, n)  # large blocks only
+        self.pos += n
 
     def open_entry(self, name: str, size: int, crc: int) -> _Entry:
         """Write an entry's local header (its data must follow: ``size`` bytes)."""
