@@ -1,5 +1,5 @@
 // An index's stored ids in checkpoint order: by routing bucket, then by id
-// (state_dict/rows.py; KVTable.export_order's torch path is the reference).
+// (KVTable.checkpoint_order; the torch path, ops/export_order.py, is the reference).
 //
 // One counting sort by routing bucket (a histogram of the buckets, their
 // starts, then each (id, slot) placed at its bucket's next position, slots
