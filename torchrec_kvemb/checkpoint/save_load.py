@@ -115,7 +115,7 @@ def save(
             )
     except CheckpointException as err:  # every rank gets it
         shutil.rmtree(tmp, ignore_errors=True)
-        rank, (first, _) = next(iter(err.failures.items()))
+        rank, first = _first_failure(err)
         raise CheckpointError(
             f"checkpoint {path!r}: writing failed on rank {rank}: {type(first).__name__}: "
             f"{first}; {path!r} is unchanged and the partly written files are removed"
@@ -172,8 +172,13 @@ def _read(
                 no_dist=group is None,
             )
     except CheckpointException as err:
-        rank, (first, _) = next(iter(err.failures.items()))
-        raise _reading_failed(path, rank, first) from err
+        raise _reading_failed(path, *_first_failure(err)) from err
+
+
+def _first_failure(err: CheckpointException) -> tuple[int, BaseException]:
+    """The rank and error of the first failure DCP collected (every rank gets them)."""
+    rank, (error, _traceback) = next(iter(err.failures.items()))
+    return rank, error
 
 
 def _reading_failed(path: str, rank: int, error: BaseException) -> CheckpointError:

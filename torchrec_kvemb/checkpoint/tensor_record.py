@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import struct
 import sys
@@ -105,11 +106,8 @@ class _Pickler(pickle.Pickler):
 
 def describe(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
     """The ``data.pkl`` of a contiguous tensor of ``dtype`` and ``shape``."""
-    numel = 1
-    for n in shape:
-        numel *= n
     out = io.BytesIO()
-    _Pickler(out, protocol=2).dump(_Tensor(_Storage(dtype, numel), tuple(shape)))
+    _Pickler(out, protocol=2).dump(_Tensor(_Storage(dtype, math.prod(shape)), tuple(shape)))
     return out.getvalue()
 
 
@@ -212,9 +210,7 @@ def write_tensor(
     Raises ``ValueError`` when the blocks do not add up to the tensor's bytes."""
     if not writable(dtype):
         raise ValueError(f"write_tensor: no storage type for {dtype}")
-    nbytes = dtype.itemsize
-    for n in shape:
-        nbytes *= n
+    nbytes = dtype.itemsize * math.prod(shape)
     record = _Record(f)
     record.small_entry("data.pkl", describe(dtype, tuple(shape)))
     record.small_entry(".format_version", b"1")

@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import io
+import math
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -147,7 +148,4 @@ def split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
 
 def _item_bytes(item: WriteItem) -> int:
     data = item.tensor_data
-    n = data.properties.dtype.itemsize
-    for s in data.chunk.sizes:
-        n *= s
-    return n
+    return data.properties.dtype.itemsize * math.prod(data.chunk.sizes)

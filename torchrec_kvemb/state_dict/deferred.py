@@ -87,6 +87,9 @@ class DeferredEntry:
     field: str
     #: The placeholder (kept alive: the entry is found by its memory's address).
     placeholder: torch.Tensor
+    #: The table's array read at the slots (``KVTable.row_arrays``); None for
+    #: ``ids`` and ``bucket``.
+    source: torch.Tensor | None = None
 
     def fill(self, first: int, out: torch.Tensor) -> None:
         """Write rows ``[first, first + len(out))`` of the entry into ``out``."""
@@ -98,8 +101,7 @@ class DeferredEntry:
         if self.field == "ids":
             out.copy_(ids[first:stop])
             return
-        source = self.export.table.row_arrays()[self.field]
-        torch.index_select(source, 0, slots[first:stop], out=out)
+        torch.index_select(self.source, 0, slots[first:stop], out=out)
 
 
 @dataclass
@@ -133,15 +135,20 @@ class DeferredEntries:
         }
         for name, array in table.row_arrays().items():
             out[name] = self._placeholder(
-                export, name, (export.rows, *array.shape[1:]), array.dtype
+                export, name, (export.rows, *array.shape[1:]), array.dtype, array
             )
         return out
 
     def _placeholder(
-        self, export: TableExport, name: str, shape: tuple[int, ...], dtype: torch.dtype
+        self,
+        export: TableExport,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        source: torch.Tensor | None = None,
     ) -> torch.Tensor:
         placeholder = torch.empty(shape, dtype=dtype)
-        entry = DeferredEntry(export, name, placeholder)
+        entry = DeferredEntry(export, name, placeholder, source)
         self._entries[placeholder.untyped_storage().data_ptr()] = entry
         return placeholder
 
