@@ -8,25 +8,31 @@ device.
 
 Training, for ``n`` ids of ``T`` tables:
 
-1. torch: de-duplicate (table, id) by two stable sorts; ``u_start[k]`` is the
-   first sorted position of unique ``k`` (``n`` past the last one).
-2. ``group_find_kernel`` (one lane per unique): probe; a hit updates its score;
-   an id of an admission table that is not stored is counted in the admission
-   counter (a counter hit adds its sightings) and is admitted once it has been
-   seen ``admission_threshold`` times. Each unique gets a kind (``KIND_*``).
-3. torch: sort the uniques of each bucket (its hits first, then its new
-   candidates ranked by score desc, id asc); ``group_insert_kernel`` (one
-   program per bucket) ranks the bucket's stored entries against the head of
-   its new candidates, evicts the losers, places the winners in the freed and
-   empty ways and writes their initial rows and zero state. With admission, a
-   second launch of the same kernel (``COUNTER``) does the same for the
-   admission counter, and removes the admitted ids from it.
+1. torch: two stable sorts order the ids by (table, id) (with custom scores, a
+   sort before them puts each (table, id)'s highest score first). Sorted
+   position ``p`` is lane ``p`` of the per-unique arrays; the first position of
+   a run of equal (table, id) holds its unique, the others are idle lanes.
+2. ``group_find_kernel`` (one lane per sorted position): finds its run's
+   bounds (a galloping search over the sorted keys), writes each id's unique,
+   probes; a hit updates its score; an id of an admission table that is not
+   stored is counted in the admission counter (a counter hit adds its
+   sightings) and is admitted once it has been seen ``admission_threshold``
+   times. Each unique gets a kind (``KIND_*``) and its sort keys for step 3.
+3. torch: two stable sorts order the uniques of each bucket (its hits first,
+   then its new candidates ranked by score desc, id asc: the lanes are in id
+   order already); ``group_insert_kernel`` (one program per sorted position,
+   the first of a bucket's works) ranks the bucket's stored entries against the
+   head of its new candidates, evicts the losers, places the winners in the
+   freed and empty ways and writes their initial rows and zero state. With
+   admission, a launch of the same kernel before it (``COUNTER``, one sort) does
+   the same for the admission counter, and removes the admitted ids from it.
 
-Evaluation: ``group_probe_kernel`` (one lane per id). Every launch has one
-program per block of ``n``: programs past the batch's uniques or buckets mask
-everything off.
+The per-table counters (``metrics`` columns ``HITS`` ...) are added by the
+kernels themselves. Evaluation: ``group_probe_kernel`` (one lane per id).
+Every launch has one program per block of ``n`` (the insert: one per lane):
+programs past the batch's uniques or buckets mask everything off.
 
-Why one file of some 550 lines: the three kernels and their host side share the
+Why one file of some 580 lines: the three kernels and their host side share the
 buffers and codes of one lookup (``KIND_*``, the per-unique arrays, the bucket
 order); split apart, a change to one buffer's meaning would span files.
 """
@@ -40,18 +46,28 @@ import torch
 import triton
 import triton.language as tl
 
-from torchrec_kvemb.contracts import INT64_MAX, GroupLayout, GroupLookup, stable_argsort
+from torchrec_kvemb.contracts import INT64_MAX, GroupLayout, GroupLookup
 from torchrec_kvemb.kernels.hashing import index_bucket, init_values_any
 from torchrec_kvemb.kernels.rounding import round_to
 
 # Kinds of a batch's unique ids after the find step.
-KIND_NONE = 0  # not an id of the group (or a padding lane)
+KIND_NONE = 0  # not an id of the group (or an idle lane)
 KIND_HIT = 1  # stored: keeps its row
 KIND_NEW = 2  # not stored, competes for a row now
 KIND_COUNTED = 3  # waiting for admission, in the counter, not admitted yet
 KIND_ADMIT_HIT = 4  # was in the counter, admitted now: competes, leaves the counter
 KIND_WAIT_NEW = 5  # waiting, not in the counter: enters it, not admitted
 KIND_ADMIT_NEW = 6  # waiting, not in the counter, admitted at once: competes
+
+#: Columns of a group's ``metrics [T, >= 6]`` the lookups add to (``METRIC_NAMES``).
+HITS = tl.constexpr(0)
+MISSES = tl.constexpr(1)
+INSERTS = tl.constexpr(2)
+EVICTIONS = tl.constexpr(3)
+REJECTS = tl.constexpr(4)
+FAILURES = tl.constexpr(5)
+#: The insert sort key of a lane that is in no bucket's segment (it sorts last).
+NO_SEGMENT = tl.constexpr(INT64_MAX)
 
 #: Uniques per program of the find and probe kernels (why 128: enough random
 #: bucket reads in flight per program to hide their latency).
@@ -65,16 +81,70 @@ MAX_BLOCK_D = 128
 
 
 @triton.jit
+def _run_edge(table_ptr, ids_ptr, p, table, ids, active, n, STEP: tl.constexpr):
+    """The farthest sorted position from ``p`` in direction ``STEP`` (+1 or -1) whose
+    (table, id) is ``p``'s: runs of equal keys are contiguous, so a galloping search
+    (distances 1, 3, 7, ...) then a bisection finds it in O(log run) reads per lane."""
+    same = tl.zeros_like(p)  # a distance known to be in the run
+    out = tl.zeros_like(p)  # a distance known to be past it (0: none yet)
+    jump = tl.zeros_like(p) + 1
+    galloping = active
+    while tl.max(galloping.to(tl.int32), axis=0) > 0:
+        d = same + jump
+        q = p + STEP * d
+        ok = galloping & (q >= 0) & (q < n)
+        hit = ok & (tl.load(table_ptr + q, mask=ok, other=-1) == table)
+        hit = hit & (tl.load(ids_ptr + q, mask=ok, other=0) == ids)
+        out = tl.where(galloping & ~hit, d, out)
+        same = tl.where(hit, d, same)
+        jump = tl.where(hit, jump * 2, jump)
+        galloping = hit
+    bisecting = active & (out - same > 1)
+    while tl.max(bisecting.to(tl.int32), axis=0) > 0:
+        d = (same + out) // 2
+        q = p + STEP * d
+        ok = bisecting & (q >= 0) & (q < n)
+        hit = ok & (tl.load(table_ptr + q, mask=ok, other=-1) == table)
+        hit = hit & (tl.load(ids_ptr + q, mask=ok, other=0) == ids)
+        same = tl.where(hit, d, same)
+        out = tl.where(bisecting & ~hit, d, out)
+        bisecting = bisecting & (out - same > 1)
+    return p + STEP * same
+
+
+@triton.jit
+def _add_per_table(column_ptr, stride, table, next_table, values, num_tables):
+    """``column[table[k] * stride] += values[k]`` over a block's lanes (tables
+    ``>= num_tables``: none), one atomic add per run of equal ``table`` in the block:
+    a run's end adds the prefix sum there, and takes it off the next run's table.
+    why atomics: integer sums are exact in any order, so the counters stay
+    deterministic without a pass of their own."""
+    block: tl.constexpr = values.shape[0]
+    total = tl.cumsum(values, axis=0)
+    last = tl.arange(0, block) == block - 1
+    run_end = last | (next_table != table)
+    tl.atomic_add(
+        column_ptr + table * stride, total, mask=run_end & (table < num_tables), sem="relaxed"
+    )
+    tl.atomic_add(
+        column_ptr + next_table * stride,
+        -total,
+        mask=run_end & ~last & (next_table < num_tables),
+        sem="relaxed",
+    )
+
+
+@triton.jit
 def group_find_kernel(
     keys_ptr,
     scores_ptr,
     counter_keys_ptr,
     counter_scores_ptr,
     counts_ptr,
-    u_ids_ptr,
-    u_table_ptr,
-    u_start_ptr,
-    u_custom_ptr,
+    sorted_ids_ptr,
+    sorted_table_ptr,
+    order_ptr,
+    sorted_custom_ptr,
     bucket_offset_ptr,
     num_buckets_ptr,
     policy_ptr,
@@ -83,12 +153,16 @@ def group_find_kernel(
     threshold_ptr,
     counter_offset_ptr,
     counter_buckets_ptr,
+    unique_index_ptr,
     u_slot_ptr,
     u_value_ptr,
-    u_bucket_ptr,
     u_kind_ptr,
-    u_counter_bucket_ptr,
+    u_key_ptr,
+    u_count_ptr,
+    u_counter_key_ptr,
     u_counter_slot_ptr,
+    metrics_ptr,
+    metrics_stride,
     n,
     num_tables,
     HAS_CUSTOM: tl.constexpr,
@@ -96,31 +170,35 @@ def group_find_kernel(
     WAYS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    k = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    in_range = k < n
-    start = tl.load(u_start_ptr + k, mask=in_range, other=n)
-    end = tl.load(u_start_ptr + k + 1, mask=in_range, other=n)
-    table = tl.load(u_table_ptr + k, mask=in_range, other=num_tables)
-    valid = in_range & (start < n) & (table < num_tables)
+    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_range = p < n
+    # Ids of no table of the group (table T) sort last; their lanes stay idle.
+    table = tl.load(sorted_table_ptr + p, mask=in_range, other=num_tables)
+    ids = tl.load(sorted_ids_ptr + p, mask=in_range, other=0)
+    mine = in_range & (table < num_tables)
+    first = _run_edge(sorted_table_ptr, sorted_ids_ptr, p, table, ids, mine, n, -1)
+    valid = mine & (first == p)  # the lane of a unique
+    count = _run_edge(sorted_table_ptr, sorted_ids_ptr, p, table, ids, valid, n, 1) - p + 1
+    tl.store(
+        unique_index_ptr + tl.load(order_ptr + p, mask=in_range, other=0), first, mask=in_range
+    )
     t = tl.where(valid, table, 0)
-    ids = tl.load(u_ids_ptr + k, mask=valid, other=0)
-    count = end - start
     policy = tl.load(policy_ptr + t)
     step = tl.load(step_ptr + t)
     bucket = tl.load(bucket_offset_ptr + t) + index_bucket(ids, tl.load(num_buckets_ptr + t))
     ways = tl.arange(0, WAYS)
     row = bucket * WAYS
     stored = tl.load(keys_ptr + row[:, None] + ways[None, :], mask=valid[:, None], other=-1)
-    first = tl.min(tl.where(stored == ids[:, None], ways[None, :], WAYS), axis=1)
-    hit = valid & (first < WAYS)
-    slot = tl.where(hit, row + first, -1)
+    way = tl.min(tl.where(stored == ids[:, None], ways[None, :], WAYS), axis=1)
+    hit = valid & (way < WAYS)
+    slot = tl.where(hit, row + way, -1)
 
     # The score value the id brings: LFU its count, CUSTOM_SCORE its custom score
-    # (when given), else the table's clock.
+    # (when given; the run's first is its highest), else the table's clock.
     value = step
     if HAS_CUSTOM:
         use = tl.load(use_custom_ptr + t)
-        custom = tl.load(u_custom_ptr + k, mask=valid, other=0)
+        custom = tl.load(sorted_custom_ptr + p, mask=valid, other=0)
         value = tl.where((policy == 2) & (use != 0), custom, value)
     value = tl.where(policy == 1, count, value)
     old = tl.load(scores_ptr + slot, mask=hit, other=0)
@@ -136,22 +214,42 @@ def group_find_kernel(
         c_stored = tl.load(
             counter_keys_ptr + c_row[:, None] + ways[None, :], mask=waiting[:, None], other=-1
         )
-        c_first = tl.min(tl.where(c_stored == ids[:, None], ways[None, :], WAYS), axis=1)
-        c_hit = waiting & (c_first < WAYS)
-        c_slot = tl.where(c_hit, c_row + c_first, -1)
+        c_way = tl.min(tl.where(c_stored == ids[:, None], ways[None, :], WAYS), axis=1)
+        c_hit = waiting & (c_way < WAYS)
+        c_slot = tl.where(c_hit, c_row + c_way, -1)
         seen = count + tl.load(counts_ptr + c_slot, mask=c_hit, other=0)
         tl.store(counts_ptr + c_slot, seen, mask=c_hit)
         tl.store(counter_scores_ptr + c_slot, step, mask=c_hit)
         admitted = seen >= threshold
         waiting_kind = tl.where(c_hit, tl.where(admitted, 4, 3), tl.where(admitted, 6, 5))
         kind = tl.where(waiting, waiting_kind, kind)
-        tl.store(u_counter_bucket_ptr + k, tl.where(waiting, c_bucket, -1), mask=in_range)
-        tl.store(u_counter_slot_ptr + k, c_slot, mask=in_range)
+        # The counter's segments: its bucket, its hits (kinds 3, 4) first.
+        c_key = c_bucket * 2 + tl.where(c_hit, 0, 1)
+        tl.store(u_counter_key_ptr + p, tl.where(waiting, c_key, NO_SEGMENT), mask=in_range)
+        tl.store(u_counter_slot_ptr + p, c_slot, mask=in_range)
+        tl.store(u_count_ptr + p, count, mask=in_range)
 
-    tl.store(u_slot_ptr + k, slot, mask=in_range)
-    tl.store(u_value_ptr + k, value, mask=in_range)
-    tl.store(u_bucket_ptr + k, tl.where(valid, bucket, -1), mask=in_range)
-    tl.store(u_kind_ptr + k, kind.to(tl.int64), mask=in_range)
+    # The index's segments: the bucket of every hit and candidate, its hits first.
+    member = (kind == 1) | (kind == 2) | (kind == 4) | (kind == 6)
+    key = bucket * 2 + tl.where(kind == 1, 0, 1)
+    tl.store(u_key_ptr + p, tl.where(member, key, NO_SEGMENT), mask=in_range)
+    tl.store(u_slot_ptr + p, slot, mask=in_range)
+    tl.store(u_value_ptr + p, value, mask=in_range)
+    tl.store(u_kind_ptr + p, kind.to(tl.int64), mask=in_range)
+
+    # Counters: hits and misses per id; rejects; every candidate counts as an insert
+    # failure until its insert program takes the winners back.
+    next_table = tl.load(sorted_table_ptr + p + 1, mask=p + 1 < n, other=num_tables)
+    zero = tl.zeros_like(count)
+    hits = tl.where(hit, count, zero)
+    misses = tl.where(valid & ~hit, count, zero)
+    rejected = ((kind == 3) | (kind == 5)).to(tl.int64)
+    candidate = (member & (kind != 1)).to(tl.int64)
+    stride = metrics_stride
+    _add_per_table(metrics_ptr + HITS, stride, table, next_table, hits, num_tables)
+    _add_per_table(metrics_ptr + MISSES, stride, table, next_table, misses, num_tables)
+    _add_per_table(metrics_ptr + REJECTS, stride, table, next_table, rejected, num_tables)
+    _add_per_table(metrics_ptr + FAILURES, stride, table, next_table, candidate, num_tables)
 
 
 @triton.jit
@@ -161,18 +259,17 @@ def group_insert_kernel(
     counts_ptr,
     weights_ptr,
     state_ptr,
-    seg_start_ptr,
+    seg_key_ptr,
     seg_order_ptr,
     u_ids_ptr,
     u_value_ptr,
     u_kind_ptr,
-    u_bucket_ptr,
     u_table_ptr,
-    u_start_ptr,
+    u_count_ptr,
     u_counter_slot_ptr,
     u_slot_ptr,
-    u_inserted_ptr,
-    seg_evicted_ptr,
+    metrics_ptr,
+    metrics_stride,
     policy_ptr,
     seed_mix_ptr,
     init_normal_ptr,
@@ -187,25 +284,29 @@ def group_insert_kernel(
     WINDOW: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    start = tl.load(seg_start_ptr + pid)
-    end = tl.load(seg_start_ptr + pid + 1)
-    live = start < end
-    if live:  # programs past the last bucket of the batch do nothing
-        head = tl.load(seg_order_ptr + start, mask=live, other=0)
-        bucket = tl.load(u_bucket_ptr + head, mask=live, other=0)
-        table = tl.load(u_table_ptr + head, mask=live, other=0)
+    # Sorted position ``start``'s program works when it is the first of its bucket's
+    # segment (``seg_key``: bucket * 2 + 1 for candidates, + 0 for hits).
+    start = tl.program_id(0).to(tl.int64)
+    key = tl.load(seg_key_ptr + start)
+    prev = tl.load(seg_key_ptr + start - 1, mask=start > 0, other=-1)
+    live = (key != NO_SEGMENT) & ((prev >> 1) != (key >> 1))
+    if live:
+        head = tl.load(seg_order_ptr + start)
+        bucket = key >> 1
+        table = tl.load(u_table_ptr + head)
         row = bucket * WAYS
 
         # Candidates c in [0, 2 * WINDOW): c < WAYS is stored way c; WAYS <= c < WAYS +
         # WINDOW is entry c - WAYS of the bucket's sorted segment; the rest is padding.
         c = tl.arange(0, 2 * WINDOW)
         # why a vector: the interpreter gives a scalar comparison & a vector a non-bool mask.
-        live_c = (tl.zeros([2 * WINDOW], dtype=tl.int64) + start) < end
+        live_c = (tl.zeros([2 * WINDOW], dtype=tl.int64) + key) != NO_SEGMENT
         is_stored = c < WAYS
         j = c - WAYS
         pos = start + tl.where((j >= 0) & (j < WINDOW), j, 0)
-        in_seg = live_c & (j >= 0) & (j < WINDOW) & (pos < end)
+        in_window = live_c & (j >= 0) & (j < WINDOW) & (pos < n)
+        seg_key = tl.load(seg_key_ptr + pos, mask=in_window, other=NO_SEGMENT)
+        in_seg = in_window & (seg_key != NO_SEGMENT) & ((seg_key >> 1) == bucket)
         u = tl.load(seg_order_ptr + pos, mask=in_seg, other=0)
         kind = tl.load(u_kind_ptr + u, mask=in_seg, other=0)
         if COUNTER:
@@ -216,9 +317,7 @@ def group_insert_kernel(
             is_new = in_seg & ((kind == 2) | (kind == 4) | (kind == 6))
         entry_id = tl.load(u_ids_ptr + u, mask=in_seg, other=-1)
         if COUNTER:  # the counter ranks by the table's clock (LRU)
-            entry_value = tl.zeros([2 * WINDOW], dtype=tl.int64) + tl.load(
-                step_ptr + table, mask=live, other=0
-            )
+            entry_value = tl.zeros([2 * WINDOW], dtype=tl.int64) + tl.load(step_ptr + table)
         else:
             entry_value = tl.load(u_value_ptr + u, mask=in_seg, other=0)
         way = tl.where(is_stored, c, 0)
@@ -264,12 +363,11 @@ def group_insert_kernel(
 
         if COUNTER:
             # Sightings: the batch's (a new entry starts at 0); admitted ids leave at once.
-            first = tl.load(u_start_ptr + u, mask=won, other=0)
-            last = tl.load(u_start_ptr + u + 1, mask=won, other=0)
+            sightings = tl.load(u_count_ptr + u, mask=won, other=0)
             admitted = kind == 6
             tl.store(keys_ptr + slot, tl.where(admitted, -1, cand_key), mask=won)
             tl.store(scores_ptr + slot, tl.where(admitted, 0, cand_score), mask=won)
-            tl.store(counts_ptr + slot, tl.where(admitted, 0, last - first), mask=won)
+            tl.store(counts_ptr + slot, tl.where(admitted, 0, sightings), mask=won)
             leaving = is_hit & (kind == 4)
             c_slot = tl.load(u_counter_slot_ptr + u, mask=leaving, other=0)
             tl.store(keys_ptr + c_slot, tl.full([2 * WINDOW], -1, tl.int64), mask=leaving)
@@ -279,8 +377,13 @@ def group_insert_kernel(
             tl.store(keys_ptr + slot, cand_key, mask=won)
             tl.store(scores_ptr + slot, cand_score, mask=won)
             tl.store(u_slot_ptr + u, slot, mask=won)
-            tl.store(u_inserted_ptr + u, tl.full([2 * WINDOW], 1, tl.int8), mask=won)
-            tl.store(seg_evicted_ptr + pid, tl.sum(evicted.to(tl.int64), axis=0), mask=live)
+            # Counters: the winners were counted as insert failures by the find step.
+            inserts = tl.sum(won.to(tl.int64), axis=0)
+            evictions = tl.sum(evicted.to(tl.int64), axis=0)
+            counters = metrics_ptr + table * metrics_stride
+            tl.atomic_add(counters + INSERTS, inserts, mask=inserts > 0, sem="relaxed")
+            tl.atomic_add(counters + FAILURES, -inserts, mask=inserts > 0, sem="relaxed")
+            tl.atomic_add(counters + EVICTIONS, evictions, mask=evictions > 0, sem="relaxed")
             # New rows: initial values (a pure function of id, seed, column), zero state.
             per_row = tl.zeros([2 * WINDOW], dtype=tl.int64) + table
             seed = tl.load(seed_mix_ptr + per_row)
@@ -308,7 +411,10 @@ def group_probe_kernel(
     bucket_offset_ptr,
     num_buckets_ptr,
     slots_ptr,
+    metrics_ptr,
+    metrics_stride,
     n,
+    num_tables,
     WAYS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -321,34 +427,21 @@ def group_probe_kernel(
     ways = tl.arange(0, WAYS)
     row = bucket * WAYS
     stored = tl.load(keys_ptr + row[:, None] + ways[None, :], mask=valid[:, None], other=-1)
-    first = tl.min(tl.where(stored == ids[:, None], ways[None, :], WAYS), axis=1)
-    tl.store(slots_ptr + i, tl.where(valid & (first < WAYS), row + first, -1), mask=i < n)
+    way = tl.min(tl.where(stored == ids[:, None], ways[None, :], WAYS), axis=1)
+    hit = valid & (way < WAYS)
+    tl.store(slots_ptr + i, tl.where(hit, row + way, -1), mask=i < n)
+
+    # Counters: a hit or a miss per id of the group (ids of table -1: none).
+    run = tl.where(valid, table, num_tables)
+    following = tl.load(table_idx_ptr + i + 1, mask=i + 1 < n, other=-1)
+    next_run = tl.where(following >= 0, following, num_tables)
+    hits = hit.to(tl.int64)
+    misses = (valid & ~hit).to(tl.int64)
+    _add_per_table(metrics_ptr + HITS, metrics_stride, run, next_run, hits, num_tables)
+    _add_per_table(metrics_ptr + MISSES, metrics_stride, run, next_run, misses, num_tables)
 
 
 # ----------------------------------------------------------------- launchers
-def _segments(sorted_keys: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    """``starts [n + 2]`` of the runs of equal ``sorted_keys`` among the ``live`` ones
-    (a prefix): run ``k`` is ``[starts[k], starts[k + 1])``; past the last run,
-    ``starts`` is ``n`` (no host sync: the run count stays on the device)."""
-    n = sorted_keys.numel()
-    head = live.clone()
-    head[1:] &= sorted_keys[1:] != sorted_keys[:-1]
-    run = torch.cumsum(head, 0) - 1
-    starts = torch.full((n + 2,), n, dtype=torch.int64, device=sorted_keys.device)
-    target = torch.where(head, run, n + 1)
-    starts.scatter_(0, target, torch.arange(n, device=sorted_keys.device))
-    starts[n + 1] = n
-    return starts
-
-
-def _ranked(bucket: torch.Tensor, first: torch.Tensor, value: torch.Tensor, ids: torch.Tensor):
-    """The permutation sorting by (bucket asc, first asc, value desc, id asc)."""
-    order = stable_argsort(ids)
-    order = order[stable_argsort(value[order], descending=True)]
-    order = order[stable_argsort(first[order])]
-    return order[stable_argsort(bucket[order])]
-
-
 def group_lookup_train_triton(
     layout: GroupLayout,
     keys: torch.Tensor,
@@ -366,9 +459,11 @@ def group_lookup_train_triton(
     use_custom: torch.Tensor | None = None,
 ) -> GroupLookup:
     """Slots of a group's training batch, inserting new ids; updates the arrays and
-    adds the per-table counters to ``metrics [T, 6]`` (hits, misses, inserts,
-    evictions, admission rejects, insert failures), all in place, with no host
-    sync. ``step [T]``: each table's clock for this batch (already advanced)."""
+    adds the per-table counters to ``metrics [T, >= 6]`` (rows contiguous: hits,
+    misses, inserts, evictions, admission rejects, insert failures), all in place,
+    with no host sync. ``step [T]``: each table's clock for this batch (already
+    advanced). The uniques it hands the backward are lanes: one per id in (table,
+    id) order, slot -1 where a lane holds no unique."""
     device = ids.device
     n = ids.numel()
     T = layout.num_tables
@@ -380,43 +475,38 @@ def group_lookup_train_triton(
     dim = weights.shape[1]
     state_dim = state.shape[1]
 
-    # 1. De-duplicate (table, id); ids of no table of the group sort last.
-    table_key = torch.where(table_idx >= 0, table_idx, T)
-    order = stable_argsort(ids)
-    order = order[stable_argsort(table_key[order])]
-    sorted_ids, sorted_table = ids[order], table_key[order]
-    head = torch.ones(n, dtype=torch.bool, device=device)
-    head[1:] = (sorted_ids[1:] != sorted_ids[:-1]) | (sorted_table[1:] != sorted_table[:-1])
-    useg = torch.cumsum(head, 0) - 1
-    unique_index = torch.empty_like(useg).scatter_(0, order, useg)
-    dest = torch.where(head, useg, n)
-    u_start = torch.full((n + 2,), n, **i64)
-    u_start.scatter_(0, torch.where(head, useg, n + 1), torch.arange(n, device=device))
-    u_start[n + 1] = n
-    u_ids = torch.zeros(n + 1, **i64).scatter_(0, dest, sorted_ids)[:n].contiguous()
-    u_table = torch.full((n + 1,), T, **i64).scatter_(0, dest, sorted_table)[:n].contiguous()
-    u_custom = u_ids
+    # 1. Order by (table, id); ids of no table of the group (-1 -> T) sort last.
+    table_key = table_idx.remainder(T + 1)
+    if custom_scores is None:
+        sorted_ids, order = torch.sort(ids, stable=True)
+    else:
+        custom_scores = custom_scores.to(torch.int64)
+        # why a sort first: a run's first position then holds its highest score.
+        by_score = torch.sort(custom_scores, stable=True, descending=True).indices
+        sorted_ids, order = torch.sort(ids.index_select(0, by_score), stable=True)
+        order = by_score.index_select(0, order)
+    sorted_table, by_table = torch.sort(table_key.index_select(0, order), stable=True)
+    order = order.index_select(0, by_table)
+    sorted_ids = sorted_ids.index_select(0, by_table)
+    sorted_custom = sorted_ids
     if custom_scores is not None:
-        low = torch.iinfo(torch.int64).min
-        u_custom = torch.full((n,), low, **i64).scatter_reduce_(
-            0, useg, custom_scores.to(torch.int64)[order], reduce="amax"
-        )
+        sorted_custom = custom_scores.index_select(0, order)
 
-    # 2. Find; admission counting.
+    # 2. Find; admission counting. One buffer holds every per-lane array.
     admission = layout.has_admission
-    u_slot, u_value, u_bucket, u_kind = (torch.empty(n, **i64) for _ in range(4))
-    u_counter_bucket = torch.full((n,), -1, **i64)
-    u_counter_slot = torch.full((n,), -1, **i64)
+    lanes = torch.empty(8 if admission else 5, n, **i64).unbind(0)
+    unique_index, u_slot, u_value, u_kind, u_key = lanes[:5]
+    u_count, u_counter_key, u_counter_slot = lanes[5:] if admission else (u_key,) * 3
     group_find_kernel[(triton.cdiv(n, BLOCK_IDS),)](
         keys,
         scores,
         counter_keys,
         counter_scores,
         counts,
-        u_ids,
-        u_table,
-        u_start,
-        u_custom,
+        sorted_ids,
+        sorted_table,
+        order,
+        sorted_custom,
         layout.bucket_offset,
         layout.num_buckets,
         layout.policy,
@@ -425,12 +515,16 @@ def group_lookup_train_triton(
         layout.admission_threshold,
         layout.counter_bucket_offset,
         layout.counter_num_buckets,
+        unique_index,
         u_slot,
         u_value,
-        u_bucket,
         u_kind,
-        u_counter_bucket,
+        u_key,
+        u_count,
+        u_counter_key,
         u_counter_slot,
+        metrics,
+        metrics.stride(0),
         n,
         T,
         HAS_CUSTOM=custom_scores is not None,
@@ -438,42 +532,33 @@ def group_lookup_train_triton(
         WAYS=keys.shape[1],
         BLOCK=BLOCK_IDS,
     )
-    u_inserted = torch.zeros(n, dtype=torch.int8, device=device)
-    seg_evicted = torch.zeros(n, **i64)
     block_d = min(triton.next_power_of_2(max(dim, state_dim, 1)), MAX_BLOCK_D)
 
-    def insert(counter: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sort a step's competitors by bucket (hits first) and launch the insert."""
-        if counter:
-            member = u_kind >= KIND_COUNTED
-            bucket = torch.where(member, u_counter_bucket, INT64_MAX)
-            first = torch.where((u_kind == KIND_COUNTED) | (u_kind == KIND_ADMIT_HIT), 0, 1)
-            value = torch.zeros_like(u_value)  # one clock per bucket: ranked by id
+    def insert(counter: bool) -> None:
+        """Order the lanes by bucket segment (hits first, then candidates by score
+        desc; lanes are in id order already) and launch the insert."""
+        if counter:  # one clock per bucket: candidates ranked by id
+            seg_key, seg_order = torch.sort(u_counter_key, stable=True)
         else:
-            member = (u_kind == KIND_HIT) | (u_kind == KIND_NEW)
-            member |= (u_kind == KIND_ADMIT_HIT) | (u_kind == KIND_ADMIT_NEW)
-            bucket = torch.where(member, u_bucket, INT64_MAX)
-            first = torch.where(u_kind == KIND_HIT, 0, 1)
-            value = u_value
-        seg_order = _ranked(bucket, first, value, u_ids)
-        seg_start = _segments(bucket[seg_order], member[seg_order])
+            by_value = torch.sort(u_value, stable=True, descending=True).indices
+            seg_key, by_key = torch.sort(u_key.index_select(0, by_value), stable=True)
+            seg_order = by_value.index_select(0, by_key)
         target = (counter_keys, counter_scores, counts) if counter else (keys, scores, counts)
         group_insert_kernel[(n,)](
             *target,
             weights,
             state,
-            seg_start,
+            seg_key,
             seg_order,
-            u_ids,
+            sorted_ids,
             u_value,
             u_kind,
-            u_counter_bucket if counter else u_bucket,
-            u_table,
-            u_start,
+            sorted_table,
+            u_count,
             u_counter_slot,
             u_slot,
-            u_inserted,
-            seg_evicted,
+            metrics,
+            metrics.stride(0),
             layout.policy,
             layout.seed_mix,
             layout.init_normal,
@@ -488,38 +573,12 @@ def group_lookup_train_triton(
             WINDOW=WINDOW,
             BLOCK_D=block_d,
         )
-        return seg_order, seg_start
 
     if admission:
         insert(counter=True)
-    seg_order, seg_start = insert(counter=False)
-
-    # 4. Per-table counters (integer sums: exact in any order).
-    valid = u_kind != KIND_NONE
-    table = torch.where(valid, u_table, 0)
-    occurrences = u_start[1 : n + 1] - u_start[:n]
-    hit = u_kind == KIND_HIT
-    candidate = (u_kind == KIND_NEW) | (u_kind == KIND_ADMIT_HIT) | (u_kind == KIND_ADMIT_NEW)
-    inserted = u_inserted.bool()
-    rejected = (u_kind == KIND_COUNTED) | (u_kind == KIND_WAIT_NEW)
-    hits = torch.where(hit, occurrences, 0)
-    seen = torch.where(valid, occurrences, 0)
-    evicted_table = u_table[seg_order[seg_start[:n].clamp(max=n - 1)]].clamp(max=T - 1)
-    delta = torch.stack(
-        [
-            hits,
-            seen - hits,
-            inserted.to(torch.int64),
-            torch.zeros_like(hits),
-            rejected.to(torch.int64),
-            (candidate & ~inserted).to(torch.int64),
-        ],
-        dim=1,
-    )
-    metrics[:, : delta.shape[1]].index_add_(0, table, delta)
-    metrics[:, 3].index_add_(0, evicted_table, seg_evicted)
+    insert(counter=False)
     slots = u_slot.index_select(0, unique_index)
-    return GroupLookup(slots, unique_index, u_slot, u_table)
+    return GroupLookup(slots, unique_index, u_slot, sorted_table)
 
 
 def group_lookup_eval_triton(
@@ -530,7 +589,8 @@ def group_lookup_eval_triton(
     metrics: torch.Tensor,
 ) -> torch.Tensor:
     """Global slots of a group's evaluation batch (-1: not stored); adds hits and
-    misses to ``metrics``. One launch, no host sync."""
+    misses to ``metrics`` (rows contiguous). One launch, no host sync; reads only
+    the layout's bucket ranges."""
     n = ids.numel()
     slots = torch.empty(n, dtype=torch.int64, device=ids.device)
     if n == 0:
@@ -542,13 +602,11 @@ def group_lookup_eval_triton(
         layout.bucket_offset,
         layout.num_buckets,
         slots,
+        metrics,
+        metrics.stride(0),
         n,
+        layout.num_buckets.numel(),
         WAYS=keys.shape[1],
         BLOCK=BLOCK_IDS,
     )
-    valid = table_idx >= 0
-    table = torch.where(valid, table_idx, 0)
-    hit = (slots >= 0).to(torch.int64)
-    delta = torch.stack([hit, valid.to(torch.int64) - hit], dim=1)
-    metrics[:, :2].index_add_(0, table, delta)
     return slots

@@ -9,11 +9,11 @@ order by one program).
   gathers stored rows (slot >= 0) or computes the initial values of ids
   without a row (their table's seed and initializer), and sums ``row *
   scale`` in fp32.
-* Backward: torch sorts the ids by slot (stable); one program per run of
-  equal slots (one row) sums ``grad_out[bag] * scale`` over the run, then
-  applies the table's optimizer to the row: SGD, row-wise Adagrad or Adam, L2
-  or decoupled weight decay, gradient clipping; per-table learning rate and
-  Adam bias corrections.
+* Backward: torch sorts the ids by slot (stable); one program per sorted
+  position: the first of each run of equal slots (one row) finds the run's
+  end, sums ``grad_out[bag] * scale`` over the run, then applies the table's
+  optimizer to the row: SGD, row-wise Adagrad or Adam, L2 or decoupled weight
+  decay, gradient clipping; per-table learning rate and Adam bias corrections.
 """
 
 # Triton's convention: constexpr kernel arguments are UPPER_CASE.
@@ -124,12 +124,26 @@ def _row_gradient(
 
 
 @triton.jit
+def _run_end(sorted_slots_ptr, start, slot, n, BLOCK_N: tl.constexpr):
+    """One past the last sorted position of ``slot``'s run from ``start`` (runs of
+    equal slots are contiguous: each block's matches are a prefix)."""
+    end = start
+    more = start < n
+    while more:
+        idx = end + tl.arange(0, BLOCK_N)
+        found = tl.load(sorted_slots_ptr + idx, mask=idx < n, other=-2) == slot
+        matched = tl.sum(found.to(tl.int64), axis=0)
+        end += matched
+        more = matched == BLOCK_N
+    return end
+
+
+@triton.jit
 def group_fused_bwd_kernel(
     weights_ptr,
     state_ptr,
     grad_ptr,
     order_ptr,
-    run_start_ptr,
     sorted_slots_ptr,
     bag_of_ptr,
     scale_ptr,
@@ -137,6 +151,7 @@ def group_fused_bwd_kernel(
     lr_ptr,
     bias1_ptr,
     bias2_ptr,
+    n,
     dim,
     state_dim,
     go_stride,
@@ -153,12 +168,13 @@ def group_fused_bwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    run = tl.program_id(0).to(tl.int64)
-    start = tl.load(run_start_ptr + run)
-    end = tl.load(run_start_ptr + run + 1)
-    slot = tl.load(sorted_slots_ptr + start, mask=start < end, other=-1)
-    live = (start < end) & (slot >= 0)
+    # Sorted position ``start``'s program works when it is the first of a stored row's run.
+    start = tl.program_id(0).to(tl.int64)
+    slot = tl.load(sorted_slots_ptr + start)
+    prev = tl.load(sorted_slots_ptr + start - 1, mask=start > 0, other=-2)  # slots are >= -1
+    live = (slot >= 0) & (prev != slot)
     if live:
+        end = _run_end(sorted_slots_ptr, start, slot, n, BLOCK_N)
         table = tl.load(slot_table_ptr + tl.load(order_ptr + start))
         lr = tl.load(lr_ptr + table)
         w_row = weights_ptr + slot * dim
@@ -286,19 +302,14 @@ def group_fused_backward_triton(
     if n == 0 or dim == 0:
         return
     grad_out = grad_out.contiguous()
+    # One program per sorted position; the first of each run of equal slots works.
     sorted_slots, order = torch.sort(slots, stable=True)
-    head = torch.ones(n, dtype=torch.bool, device=slots.device)
-    head[1:] = sorted_slots[1:] != sorted_slots[:-1]
-    run = torch.cumsum(head, 0) - 1
-    run_start = torch.full((n + 2,), n, dtype=torch.int64, device=slots.device)
-    run_start.scatter_(0, torch.where(head, run, n + 1), torch.arange(n, device=slots.device))
     block_d = _block_d(dim)
     group_fused_bwd_kernel[(n,)](
         weights,
         state if state.numel() else weights,  # SGD has no state; the pointer is never read
         grad_out,
         order,
-        run_start,
         sorted_slots,
         bags.bag_of,
         bags.scale if bags.scale is not None else grad_out,
@@ -306,6 +317,7 @@ def group_fused_backward_triton(
         learning_rates,
         bias1,
         bias2,
+        n,
         dim,
         state.shape[1],
         grad_out.stride(0),
