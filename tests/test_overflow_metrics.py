@@ -3,6 +3,8 @@
 and gets no gradient; every backend counts it in ``metrics()["insert_failures"]``,
 and the demo's progress bar shows the sum as ``overflow=``."""
 
+import collections
+
 import pytest
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -10,6 +12,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tests.examples.helpers import load_example
 from torchrec_kvemb import EvictionPolicy, KVEmbeddingBagCollection, KVTableOptions
+from torchrec_kvemb.ops import native
 from torchrec_kvemb.ops.hashing import index_bucket
 from torchrec_kvemb.options import WAYS
 
@@ -36,10 +39,43 @@ def _ebc(policy: EvictionPolicy) -> KVEmbeddingBagCollection:
 BACKENDS = {"native": "auto", "torch": "torch", "triton": "triton"}
 
 
+def _training_entries() -> dict[str, list[tuple[object, str]]]:
+    """Each backend's training lookup and fused backward: (module, function name)."""
+    from torchrec_kvemb.kernels import group_lookup, group_pooled
+
+    return {
+        "native": [(native, "lookup_train_group"), (native, "fused_backward_group")],
+        "triton": [
+            (group_lookup, "group_lookup_train_triton"),
+            (group_pooled, "group_fused_backward_triton"),
+        ],
+    }
+
+
+def _spy_training(monkeypatch: pytest.MonkeyPatch) -> collections.Counter:
+    """Counts the calls of every backend's ``_training_entries``, by (backend, name)."""
+    calls = collections.Counter()
+    for backend, points in _training_entries().items():
+        for owner, name in points:
+            monkeypatch.setattr(owner, name, _counted(calls, (backend, name), getattr(owner, name)))
+    return calls
+
+
+def _counted(calls: collections.Counter, key: tuple[str, str], real):
+    def spy(*args, **kwargs):
+        calls[key] += 1
+        return real(*args, **kwargs)
+
+    return spy
+
+
 @pytest.mark.parametrize("policy", [EvictionPolicy.LRU, EvictionPolicy.LFU], ids=["lru", "lfu"])
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_overflow_is_counted_on_every_backend(monkeypatch, backend, policy):
+    if backend == "native":
+        assert native.available(), native.unavailable_reason()  # make test builds it
     monkeypatch.setenv("TORCHREC_KVEMB_BACKEND", BACKENDS[backend])
+    calls = _spy_training(monkeypatch)
     full, other = _ids()
     ebc = _ebc(policy)
     values = torch.cat([full, full[:4], other, other[:2]])  # repeats count once
@@ -58,6 +94,10 @@ def test_overflow_is_counted_on_every_backend(monkeypatch, backend, policy):
 
     ebc(kjt).values().sum().backward()  # the same batch again: as many fail again
     assert ebc.table("t").metrics()["insert_failures"] == 2 * (IN_ONE_BUCKET - WAYS)
+    # the backend the test names ran both steps (one group: both tables' dim is 5),
+    # no other did
+    want = {(backend, name): 2 for _, name in _training_entries().get(backend, [])}
+    assert dict(calls) == want, f"{backend}: {dict(calls)}"
 
 
 def test_progress_bar_shows_overflow():
