@@ -80,20 +80,32 @@ def test_kernels_match_torch(kernels, optim, pooling, weighted, policy, monkeypa
             out = ebc(kjt).values()
             out.backward(torch.cos(torch.arange(out.numel(), dtype=torch.float32)).view_as(out))
             outs.append(out.detach())
+        # Evaluation: read-only lookups of the first batch's ids (some have rows,
+        # some were not admitted or were evicted): the pooled output, and per table
+        # the rows found for those ids and which ids found one.
         ebc.eval()
-        outs.append(next(_batches(weighted, steps=1)).values().float())
-        outs.append(ebc(next(_batches(weighted, steps=1))).values())
+        kjt = next(_batches(weighted, steps=1))
+        outs.append(ebc(kjt).values())
+        found = {}
+        for name, features in (("a", ["x", "y"]), ("b", ["z"])):
+            rows, found[name] = ebc.table(name).find(torch.cat([kjt[f].values() for f in features]))
+            outs.append(rows)
         results[backend] = (
             outs,
+            found,
             {n: t.export() for n, t in ebc.kv_tables().items()},
             ebc.metrics(),
         )
-    (ref_outs, ref_tables, ref_metrics), (outs, tables, metrics) = (
+    (ref_outs, ref_found, ref_tables, ref_metrics), (outs, found, tables, metrics) = (
         results["torch"],
         results[kernels],
     )
-    for step, (a, b) in enumerate(zip(ref_outs, outs)):
+    for step, (a, b) in enumerate(zip(ref_outs, outs, strict=True)):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=f"output {step}")
+    for name, ref in ref_found.items():
+        assert torch.equal(found[name], ref), f"table {name}: ids with a row in evaluation"
+    every = torch.cat(list(ref_found.values()))
+    assert bool(every.any()) and not bool(every.all()), ref_found
     assert metrics == ref_metrics
     for name in ref_tables:
         for key, ref in ref_tables[name].items():
