@@ -13,6 +13,8 @@
   estimate. Checkpoints record the dtype and convert (saying so) into another.
 """
 
+import collections
+
 import pytest
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
@@ -34,6 +36,7 @@ from torchrec_kvemb import (
     checkpoint,
 )
 from torchrec_kvemb.backend import ENV_VAR
+from torchrec_kvemb.ops import native
 from torchrec_kvemb.sharding.planner import kv_table_bytes
 from torchrec_kvemb.ssd import storage_estimate
 
@@ -188,15 +191,44 @@ def test_bf16_stays_close_to_float32(monkeypatch):
     assert not torch.equal(rows16["t0"]["weights"].float(), rows32["t0"]["weights"])
 
 
+def _spy_lookups(monkeypatch) -> collections.Counter:
+    """Counts the training lookups that reach the native library and the Triton
+    kernels, by backend (both serve half-precision rows; the native backward
+    serves float32 rows only)."""
+    from torchrec_kvemb.kernels import group_lookup
+
+    calls = collections.Counter()
+    for backend, owner, name in (
+        ("native", native, "lookup_train_group"),
+        ("triton", group_lookup, "group_lookup_train_triton"),
+    ):
+        monkeypatch.setattr(owner, name, _counted(calls, backend, getattr(owner, name)))
+    return calls
+
+
+def _counted(calls: collections.Counter, backend: str, real):
+    def spy(*args, **kwargs):
+        calls[backend] += 1
+        return real(*args, **kwargs)
+
+    return spy
+
+
 @pytest.mark.parametrize("backend", ["native", "triton"])
 @pytest.mark.parametrize("optim", list(OPTIMIZERS))
 @pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
 def test_backends_match_the_torch_path(dtype, optim, backend, monkeypatch):
     if backend == "triton":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        assert native.available(), native.unavailable_reason()  # make test builds it
+    calls = _spy_lookups(monkeypatch)
     want_out, want_rows = _train(dtype, optim, "torch", monkeypatch, steps=3)
+    assert not calls, f"the torch path reached {dict(calls)}"
     got_out, got_rows = _train(dtype, optim, "auto" if backend == "native" else backend,
                                monkeypatch, steps=3)  # fmt: skip
+    # the backend named ran every step's lookup (one group: one dim, one dtype)
+    assert calls == {backend: 3}, f"{backend}: {dict(calls)}"
 
     # Ids and scores bit-exact. Float values as close as their dtype rounds: the
     # backends sum a row's gradient (and Adagrad its mean square) in their own order,
