@@ -187,8 +187,7 @@ class KVBagLookup:
             return torch.empty(stride, sum(s.dim * len(s.features) for s in self._specs))
         plan = self._plan(keys, stride, features.stride_per_key_per_rank() if vbe else None)
         custom = self._custom_scores(features, eviction_scores) if eviction_scores else None
-        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=ids.device)
-        torch.cumsum(lengths, 0, out=offsets[1:])
+        offsets = bag_offsets(lengths)
         if plan.expand is not None:
             lengths, offsets, index = expand_bags(lengths, offsets, plan.expand)
             ids = ids.index_select(0, index)
@@ -198,12 +197,11 @@ class KVBagLookup:
         n = ids.numel()
         mean = plan.mean_of_bag if any(spec.mean for spec in self._specs) else False
         bags = Bags.build(offsets, n, weights, mean)
-        feature_of_id = plan.key_of_bag[bags.bag_of]
         outputs = []
-        for group, table_of_feature, bag_list in zip(
-            self.groups, plan.table_maps, plan.bag_lists, strict=True
+        for group, table_of_bag, bag_list in zip(
+            self.groups, plan.table_of_bag, plan.bag_lists, strict=True
         ):
-            table_idx = table_of_feature[feature_of_id]
+            table_idx = table_of_bag[bags.bag_of]
             if training:
                 scores, flags = custom if custom is not None else (None, None)
                 out = pooled_train(
@@ -301,10 +299,10 @@ class KVBagLookup:
         ):
             self._explain(features)
         bad = lengths.sum() != values.numel()
-        if lengths.numel():
+        if lengths.numel() and values.numel():
+            bad |= torch.minimum(lengths.min(), values.min()) < 0
+        elif lengths.numel():  # (ids without lengths: ``bad`` already)
             bad |= lengths.min() < 0
-        if values.numel():
-            bad |= values.min() < 0
         if bool(bad):  # the one sync of the fast path
             self._explain(features)
         w = weights.to(torch.float32) if weights is not None else None
@@ -371,6 +369,12 @@ class KVBagLookup:
                 scores[lo:hi] = score.to(device=self.device, dtype=torch.int64)
             flags[spec.name] = True
         return scores, flags
+
+
+def bag_offsets(lengths: torch.Tensor) -> torch.Tensor:
+    """``offsets [B + 1]`` (int64) of bags of these ``lengths``: bag ``b``'s ids are
+    ``[offsets[b], offsets[b + 1])``."""
+    return torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int64), (1, 0))
 
 
 def per_key_sums(lengths: torch.Tensor, bags_per_key: list[int]) -> list[int]:

@@ -30,6 +30,7 @@ class BagPlan:
     """How a KJT of some key order and batch sizes maps to the groups of a lookup.
 
     ``table_maps[g]``: per key, its table in group ``g`` (-1: not the group's);
+    ``table_of_bag[g]``: the same per bag (what a batch's ids index by their bag);
     ``bag_lists[g]``: the bags of group ``g``'s features; ``positions[g]``: the keys
     group ``g`` outputs, in output order (None: all, in KJT order); ``columns``: the
     permutation of the groups' output columns into the lookup's feature order (None:
@@ -39,6 +40,7 @@ class BagPlan:
     keys), and per key and source rank under VBE (else None)."""
 
     table_maps: list[torch.Tensor]
+    table_of_bag: list[torch.Tensor]
     mean_of_bag: torch.Tensor
     key_of_bag: torch.Tensor
     bag_lists: list[torch.Tensor]
@@ -113,10 +115,12 @@ class BagPlan:
         )
         identity = torch.equal(columns, torch.arange(columns.numel()))
         counts = torch.tensor(list(strides), dtype=torch.int64)
+        key_of_bag = torch.arange(num_keys).repeat_interleave(counts)
         return cls(
             table_maps=maps,
+            table_of_bag=[m[key_of_bag] for m in maps],
             mean_of_bag=mean.repeat_interleave(counts),
-            key_of_bag=torch.arange(num_keys).repeat_interleave(counts),
+            key_of_bag=key_of_bag,
             bag_lists=bag_lists,
             positions=positions,
             columns=None if identity else columns,
@@ -173,6 +177,7 @@ class BagPlan:
         return replace(
             self,
             table_maps=[m.to(device) for m in self.table_maps],
+            table_of_bag=[t.to(device) for t in self.table_of_bag],
             mean_of_bag=self.mean_of_bag.to(device),
             key_of_bag=self.key_of_bag.to(device),
             bag_lists=[b.to(device) for b in self.bag_lists],

@@ -21,8 +21,8 @@ from collections.abc import Mapping
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_kvemb.bag_lookup import KVBagLookup
-from torchrec_kvemb.contracts import Bags
+from torchrec_kvemb.bag_lookup import KVBagLookup, bag_offsets
+from torchrec_kvemb.contracts import Bags, run_of_each
 from torchrec_kvemb.lookup import pooled_eval, pooled_train
 
 
@@ -51,16 +51,14 @@ class KVSequenceLookup(KVBagLookup):
             out = torch.zeros(n, dim, device=ids.device)
             return out.requires_grad_(training and torch.is_grad_enabled())
         plan = self._plan(keys, stride)
-        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=ids.device)
-        torch.cumsum(lengths, 0, out=offsets[1:])
-        feature_of_id = torch.div(Bags.build(offsets, n).bag_of, stride, rounding_mode="floor")
+        bag_of = run_of_each(bag_offsets(lengths)[1:], n)
         # Every id a bag of its own.
         each = torch.arange(n + 1, device=ids.device)
         bags = Bags(each, each[:n], None)
         custom = self._custom_scores(features, eviction_scores) if eviction_scores else None
         out = None
-        for group, table_of_feature in zip(self.groups, plan.table_maps, strict=True):
-            table_idx = table_of_feature[feature_of_id]
+        for group, table_of_bag in zip(self.groups, plan.table_of_bag, strict=True):
+            table_idx = table_of_bag[bag_of]
             if training:
                 scores, flags = custom if custom is not None else (None, None)
                 rows = pooled_train(
