@@ -359,10 +359,8 @@ def run_of_each(ends: torch.Tensor, n: int) -> torch.Tensor:
     non-decreasing, the last one ``n``): ``[n]`` int64.
 
     why not ``repeat_interleave``: it needs the output size on the host (a sync on a
-    GPU); marking each run's end and a cumulative sum do not."""
-    marks = torch.zeros(n + 1, dtype=torch.int64, device=ends.device)
-    marks.scatter_add_(0, ends[:-1].clamp(max=n), torch.ones_like(ends[:-1]))
-    return torch.cumsum(marks[:n], 0)
+    GPU); a binary search of each position among the ends does not, in one op."""
+    return torch.searchsorted(ends, torch.arange(n, device=ends.device), right=True)
 
 
 class Bags(NamedTuple):
