@@ -1,4 +1,5 @@
-"""GPU mode: the Triton kernels and the KV EBC against FBGEMM's fused tables, one device.
+"""GPU mode: the Triton kernels and the KV EBC against what a CUDA machine has
+without FBGEMM's CUDA build, one device.
 
 Three parts, in one process on one device:
 
@@ -14,20 +15,26 @@ Three parts, in one process on one device:
   (``group_fused_backward_triton``: per-row gradient reduction and row-wise
   Adagrad update in one launch). Ids/s and GB/s, where GB/s counts the bytes a
   launcher must read and write at least (``kernel_bytes``), and that figure
-  over the copy bandwidth. Side by side, FBGEMM's fused tables
-  (``SplitTableBatchedEmbeddingBagsCodegen`` in device memory) on the same
-  rows: its forward against the pooled forward, its forward + fused backward
-  against pooled forward + fused backward. Both start from the same weights,
-  and the run stops (``RuntimeError``) unless their pooled rows and first
-  update agree.
+  over the copy bandwidth. Side by side, torch's ``nn.EmbeddingBag`` over the
+  same rows (the group's rows, indexed by slot): its forward against the pooled
+  forward, and its forward + sparse backward + ``torch.optim.Adagrad`` step
+  (element-wise Adagrad: torch has no row-wise one) against pooled forward +
+  fused backward. The run stops (``RuntimeError``) unless their pooled rows agree.
 * ``ebc``: ``KVEmbeddingBagCollection`` on the device (Triton backend: the
-  same launchers, fused row-wise Adagrad in backward) against FBGEMM's
-  fused tables on the same Zipf batches, train and eval steps, as
-  ``benchmarks.ebc_train`` does on CPU. FBGEMM's tables start from the KV
-  tables' initial rows, and the run stops unless the first training step of
-  both pools the same rows and makes the same update.
+  same launchers, fused row-wise Adagrad in backward) against a stock TorchRec
+  ``EmbeddingBagCollection`` on the device (torch's ``EmbeddingBag``, sparse
+  gradients, ``torch.optim.Adagrad``) on the same Zipf batches, train and eval
+  steps, as ``benchmarks.ebc_train`` does on CPU. The stock tables start from
+  the KV tables' initial rows, and the run stops unless the first batch pools
+  the same rows in both.
 
-Run on a machine with a CUDA GPU and fbgemm-gpu built for CUDA::
+FBGEMM's fused tables (``SplitTableBatchedEmbeddingBagsCodegen``) join both
+parts as a further baseline where they run on the device (FBGEMM's CUDA build;
+on CPU its CPU build): against the pooled forward and forward + fused backward,
+and against the KV EBC with the targets below; their pooled rows and first
+update must agree too. Where they do not run, the report says why.
+
+Run on a machine with a CUDA GPU (``make bench-gpu``; docs/gpu.md)::
 
     python -m benchmarks.gpu_kernels                  # a few minutes
     python -m benchmarks.gpu_kernels --out docs/bench_gpu.md
@@ -66,6 +73,10 @@ from torchrec_kvemb.backend import ENV_VAR
 from torchrec_kvemb.options import WAYS
 
 KV = "KV"
+#: Baselines: torch's EmbeddingBag (kernels), a stock TorchRec EBC (ebc), FBGEMM's
+#: fused tables (both parts, where they run).
+BAG = "EmbeddingBag"
+EBC = "stock EBC"
 TBE = "TBE"
 #: Launcher names, in the order they are reported.
 KERNELS = ("probe", "find+insert", "pooled fwd", "fused bwd")
@@ -73,7 +84,8 @@ KERNELS = ("probe", "find+insert", "pooled fwd", "fused bwd")
 NEW_EVERY = 8
 #: Ids whose initial rows are made at a time when FBGEMM's tables copy the KV ones.
 INIT_CHUNK = 1 << 18
-#: KV EBC over FBGEMM's fused tables, in ids/s (the same targets as on CPU).
+#: KV EBC over FBGEMM's fused tables, in ids/s (the same targets as on CPU); the
+#: torch baselines have none.
 EBC_TARGETS = {"train": 0.7, "eval": 0.7}
 
 
@@ -105,7 +117,7 @@ class GpuConfig:
 #: ``--quick``: odd tiny sizes, seconds in Triton's interpreter.
 QUICK = GpuConfig(
     tables=2,
-    dim=12,  # FBGEMM's tables need a multiple of 4
+    dim=12,  # FBGEMM's fused tables need a multiple of 4
     batch=7,
     bag=3,
     rows=199,
@@ -124,7 +136,7 @@ class Rate:
 
     part: str  # "copy", "kernels" or "ebc"
     name: str
-    system: str  # KV or TBE ("" for copy)
+    system: str  # KV, BAG, EBC or TBE ("" for copy)
     items: int
     nbytes: int
     seconds: float
@@ -145,6 +157,10 @@ class GpuResult:
     config: GpuConfig
     device: str
     rates: tuple[Rate, ...]
+    notes: tuple[str, ...] = ()  # e.g. why FBGEMM's fused tables did not run
+
+    def has(self, part: str, name: str, system: str) -> bool:
+        return any((r.part, r.name, r.system) == (part, name, system) for r in self.rates)
 
     def get(self, part: str, name: str, system: str) -> Rate:
         for r in self.rates:
@@ -239,24 +255,30 @@ def measure_copy(config: GpuConfig, device: torch.device) -> Rate:
     return Rate("copy", "copy", "", n, 2 * 4 * n, seconds)
 
 
-# ----------------------------------------------------------------- kernels
-def _build_tbe(config: GpuConfig, device: torch.device, tables: int):
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
-        EmbeddingLocation,
-        PoolingMode,
-    )
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        ComputeDevice,
-        SplitTableBatchedEmbeddingBagsCodegen,
-    )
+# ------------------------------------------------------------------- TBE
+class BaselineUnavailableError(RuntimeError):
+    """A baseline that does not run on this device (the reason is its message)."""
 
-    if device.type == "cuda":
-        where = (EmbeddingLocation.DEVICE, ComputeDevice.CUDA)
-    else:
-        where = (EmbeddingLocation.HOST, ComputeDevice.CPU)
+
+def build_tbe(config: GpuConfig, device: torch.device, tables: int):
+    """FBGEMM's fused tables on ``device`` (row-wise Adagrad); ``BaselineUnavailableError``
+    where they do not run (FBGEMM's CPU build on a CUDA machine: docs/gpu.md)."""
     try:
-        return SplitTableBatchedEmbeddingBagsCodegen(
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+            EmbeddingLocation,
+            PoolingMode,
+        )
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+
+        if device.type == "cuda":
+            where = (EmbeddingLocation.DEVICE, ComputeDevice.CUDA)
+        else:
+            where = (EmbeddingLocation.HOST, ComputeDevice.CPU)
+        tbe = SplitTableBatchedEmbeddingBagsCodegen(
             embedding_specs=[(config.rows, config.dim, *where)] * tables,
             optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
             learning_rate=config.learning_rate,
@@ -264,12 +286,35 @@ def _build_tbe(config: GpuConfig, device: torch.device, tables: int):
             pooling_mode=PoolingMode.SUM,
             device=device,
         )
-    except Exception as exc:  # noqa: BLE001 - any failure means: no stock baseline here
-        hint = "; install fbgemm-gpu built for this CUDA" if device.type == "cuda" else ""
-        _refuse(f"FBGEMM's fused tables do not run on {device} ({type(exc).__name__}: {exc}){hint}")
-        raise  # unreachable: _refuse exits
+        # One tiny lookup: a CPU-only build constructs but cannot run on CUDA.
+        tbe(
+            torch.zeros(tables, dtype=torch.int64, device=device),
+            torch.arange(tables + 1, dtype=torch.int64, device=device),
+        )
+        return tbe
+    except Exception as exc:  # noqa: BLE001 - any failure means: this baseline does not run
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise BaselineUnavailableError(
+            f"FBGEMM's fused tables do not run on {device} ({type(exc).__name__}: {first[:160]})"
+        ) from exc
 
 
+def check_agree(what: str, kv: torch.Tensor, other: torch.Tensor, system: str) -> None:
+    """Raise unless the KV result matches the baseline's (float tolerance): a
+    benchmark of two systems that compute different things measures nothing."""
+    if kv.shape != other.shape:
+        raise RuntimeError(
+            f"{what}: the Triton kernels and {system} disagree (shapes {tuple(kv.shape)} "
+            f"and {tuple(other.shape)})"
+        )
+    if not torch.allclose(kv, other.to(kv.dtype), rtol=1e-4, atol=1e-5):
+        worst = (kv - other.to(kv.dtype)).abs().max().item()
+        raise RuntimeError(
+            f"{what}: the Triton kernels and {system} disagree (max diff {worst:.3g})"
+        )
+
+
+# ----------------------------------------------------------------- kernels
 #: Ids offered per slot when filling a group: with 3 a bucket of 16 ways gets
 #: fewer than 16 with probability ~1e-7 (Poisson, mean 48).
 FILL = 3
@@ -304,9 +349,10 @@ def full_group(config: GpuConfig, device: torch.device):
     return group, stored
 
 
-def measure_kernels(config: GpuConfig, device: torch.device) -> list[Rate]:
-    """Every Triton launcher alone on a full group, then FBGEMM's fused tables on
-    the same rows."""
+def measure_kernels(config: GpuConfig, device: torch.device) -> tuple[list[Rate], list[str]]:
+    """Every Triton launcher alone on a full group, then torch's EmbeddingBag (and
+    FBGEMM's fused tables, where they run) on the same rows; the rates, and why a
+    baseline did not run."""
     from torchrec_kvemb.contracts import Bags
     from torchrec_kvemb.kernels.group_lookup import (
         group_lookup_eval_triton,
@@ -416,97 +462,129 @@ def measure_kernels(config: GpuConfig, device: torch.device) -> list[Rate]:
         for name in KERNELS
     ]
 
-    # FBGEMM's fused tables over the same rows (indices = each table's KV slots),
-    # from the same weights: both must compute the same pooled rows and the same
-    # first update. FBGEMM pools [batch, tables * dim]; the group [tables * batch, dim].
-    tbe = _build_tbe(config, device, tables=T)
-    tbe_weights = tbe.split_embedding_weights()
-    with torch.no_grad():
-        for t, table in enumerate(group.tables):
-            tbe_weights[t][:capacity].copy_(table.weights)
-    group.state.zero_()  # as FBGEMM's new optimizer state (the timed updates above filled it)
-    row_offsets = torch.tensor(group.row_offsets, device=device)
-    tbe_ids = slots - row_offsets[table_idx]
+    # torch's EmbeddingBag over the same rows (the group's rows by global slot),
+    # from the same weights: both must pool the same rows.
+    row_copy = group.weights.detach().clone()
+    bag = torch.nn.EmbeddingBag.from_pretrained(
+        row_copy, freeze=False, mode="sum", sparse=True, include_last_offset=True
+    )
+    bag_optim = torch.optim.Adagrad(bag.parameters(), lr=config.learning_rate, eps=config.eps)
 
-    def as_tbe(pooled: torch.Tensor) -> torch.Tensor:
-        return pooled.view(T, per_table, config.dim).transpose(0, 1).reshape(per_table, -1)
+    def bag_fwd(i: int) -> None:
+        with torch.no_grad():
+            bag(slots, offsets)
 
-    tbe_grad = as_tbe(grad_out).contiguous()
+    def bag_train(i: int) -> None:
+        bag(slots, offsets).backward(grad_out)
+        bag_optim.step()
+        bag_optim.zero_grad(set_to_none=True)
 
     def kv_train(i: int) -> None:
         pooled_fwd(i)
         fused_bwd(i)
 
-    def tbe_train(i: int) -> None:
-        tbe(tbe_ids, offsets).backward(tbe_grad)
+    check_agree("pooled forward", pooled_fwd(0), bag(slots, offsets).detach(), BAG)
+    steps = {"kv": kv_train, "bag": bag_train, "bag fwd": bag_fwd}
 
-    def tbe_fwd(i: int) -> None:
+    # FBGEMM's fused tables over the same rows (indices = each table's KV slots),
+    # from the same weights: the same pooled rows and the same first update.
+    # FBGEMM pools [batch, tables * dim]; the group [tables * batch, dim].
+    try:
+        tbe = build_tbe(config, device, tables=T)
+    except BaselineUnavailableError as exc:
+        tbe, notes = None, [str(exc)]
+    else:
+        notes = []
+        tbe_weights = tbe.split_embedding_weights()
         with torch.no_grad():
-            tbe(tbe_ids, offsets)
+            for t, table in enumerate(group.tables):
+                tbe_weights[t][:capacity].copy_(table.weights)
+        group.state.zero_()  # as FBGEMM's new optimizer state (the timed updates filled it)
+        row_offsets = torch.tensor(group.row_offsets, device=device)
+        tbe_ids = slots - row_offsets[table_idx]
 
-    check_same_as_tbe("pooled forward", as_tbe(pooled_fwd(0)), tbe(tbe_ids, offsets).detach())
-    kv_train(0)
-    tbe_train(0)
-    for t, table in enumerate(group.tables):
-        check_same_as_tbe(
-            f"table {t}'s rows after one update", table.weights, tbe_weights[t][:capacity]
-        )
-    seconds = _median_s(device, {"kv": kv_train, "tbe": tbe_train, "tbe fwd": tbe_fwd}, config)
+        def as_tbe(pooled: torch.Tensor) -> torch.Tensor:
+            return pooled.view(T, per_table, config.dim).transpose(0, 1).reshape(per_table, -1)
+
+        tbe_grad = as_tbe(grad_out).contiguous()
+
+        def tbe_train(i: int) -> None:
+            tbe(tbe_ids, offsets).backward(tbe_grad)
+
+        def tbe_fwd(i: int) -> None:
+            with torch.no_grad():
+                tbe(tbe_ids, offsets)
+
+        check_agree("pooled forward", as_tbe(pooled_fwd(0)), tbe(tbe_ids, offsets).detach(), TBE)
+        kv_train(0)
+        tbe_train(0)
+        for t, table in enumerate(group.tables):
+            check_agree(f"table {t}'s rows after one update", table.weights,
+                        tbe_weights[t][:capacity], TBE)  # fmt: skip
+        steps.update({"tbe": tbe_train, "tbe fwd": tbe_fwd})
+    seconds = _median_s(device, steps, config)
     fwd_bytes = kernel_bytes("pooled fwd", n, bags, rows, config.dim)
     train_bytes = fwd_bytes + kernel_bytes("fused bwd", n, bags, rows, config.dim, state_dim)
     rates += [
-        Rate("kernels", "fwd", TBE, n, fwd_bytes, seconds["tbe fwd"]),
+        Rate("kernels", "fwd", BAG, n, fwd_bytes, seconds["bag fwd"]),
         Rate("kernels", "fwd+bwd+update", KV, n, train_bytes, seconds["kv"]),
-        Rate("kernels", "fwd+bwd+update", TBE, n, train_bytes, seconds["tbe"]),
+        Rate("kernels", "fwd+bwd+update", BAG, n, train_bytes, seconds["bag"]),
     ]
-    return rates
-
-
-def check_same_as_tbe(what: str, kv: torch.Tensor, tbe: torch.Tensor) -> None:
-    """Raise unless the Triton kernels' result matches FBGEMM's (float tolerance):
-    a benchmark of two systems that compute different things measures nothing."""
-    if not torch.allclose(kv, tbe.to(kv.dtype), rtol=1e-4, atol=1e-5):
-        worst = (kv - tbe).abs().max().item()
-        raise RuntimeError(f"{what}: the Triton kernels and FBGEMM disagree (max diff {worst:.3g})")
+    if tbe is not None:
+        rates += [
+            Rate("kernels", "fwd", TBE, n, fwd_bytes, seconds["tbe fwd"]),
+            Rate("kernels", "fwd+bwd+update", TBE, n, train_bytes, seconds["tbe"]),
+        ]
+    return rates, notes
 
 
 # --------------------------------------------------------------------- EBC
-def measure_ebc(config: GpuConfig, device: torch.device) -> list[Rate]:
-    """KV EBC vs FBGEMM's fused tables: train and eval steps on the same batches,
-    once their first training step agrees (``RuntimeError`` otherwise)."""
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+def draw_batches(config: GpuConfig, device: torch.device, seed: int, count: int) -> list:
+    """``count`` KJTs of ``config.batch`` Zipf bags per table on ``device``, their
+    offsets computed on the CPU (TorchRec computes a KJT's offsets with an fbgemm
+    op that FBGEMM's CPU build has no CUDA kernel of)."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from torchrec_kvemb import KVEmbeddingBagCollection, KVTableOptions
-
-    samplers = [ZipfIds(config.rows, config.alpha, config.seed + t) for t in range(config.tables)]
+    samplers = [ZipfIds(config.rows, config.alpha, seed + t) for t in range(config.tables)]
     keys = [f"f{t}" for t in range(config.tables)]
     lengths = torch.full((config.tables * config.batch,), config.bag, dtype=torch.int64)
     per_table = config.batch * config.bag
+    out = []
+    for _ in range(count):
+        values = torch.cat([s.sample(per_table) for s in samplers])
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths)
+        kjt.offsets()
+        out.append(kjt.to(device))
+    return out
+
+
+def measure_ebc(config: GpuConfig, device: torch.device) -> tuple[list[Rate], list[str]]:
+    """KV EBC vs a stock TorchRec EBC (and FBGEMM's fused tables where they run):
+    train and eval steps on the same batches, once the first batch pools the same
+    rows in each (``RuntimeError`` otherwise)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec import EmbeddingBagCollection
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+
+    from torchrec_kvemb import KVEmbeddingBagCollection, KVTableOptions
+
     timed = config.warmup + config.steps * config.repeats
-
-    def draw(count: int) -> list[KeyedJaggedTensor]:
-        out = []
-        for _ in range(count):
-            values = torch.cat([s.sample(per_table) for s in samplers])
-            kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths)
-            out.append(kjt.to(device))
-        return out
-
-    prime, train_batches, held_out = draw(config.prime), draw(timed), draw(timed)
+    prime = draw_batches(config, device, config.seed, config.prime)
+    train_batches = draw_batches(config, device, config.seed + 100, timed)
+    held_out = draw_batches(config, device, config.seed + 200, timed)
     grad = torch.randn(config.batch, config.tables * config.dim).to(device)
+    configs = [
+        EmbeddingBagConfig(
+            name=f"t{t}",
+            embedding_dim=config.dim,
+            num_embeddings=config.rows,
+            feature_names=[f"f{t}"],
+            pooling=PoolingType.SUM,
+        )
+        for t in range(config.tables)
+    ]
     kv = KVEmbeddingBagCollection(
-        [
-            EmbeddingBagConfig(
-                name=f"t{t}",
-                embedding_dim=config.dim,
-                num_embeddings=config.rows,
-                feature_names=[keys[t]],
-                pooling=PoolingType.SUM,
-            )
-            for t in range(config.tables)
-        ],
+        configs,
         KVTableOptions(capacity=config.rows, seed=config.seed),
         device=device,
         fused_params={
@@ -515,18 +593,34 @@ def measure_ebc(config: GpuConfig, device: torch.device) -> list[Rate]:
             "eps": config.eps,
         },
     )
-    tbe = _build_tbe(config, device, tables=config.tables)
-    # FBGEMM's tables start from the KV tables' initial rows (an id is a row of
-    # FBGEMM's table): the first step must pool the same rows and make the same update.
-    tbe_weights = tbe.split_embedding_weights()
-    with torch.no_grad():
-        for t, weights in enumerate(tbe_weights):
-            for lo in range(0, config.rows, INIT_CHUNK):
-                ids = torch.arange(lo, min(lo + INIT_CHUNK, config.rows), device=device)
-                weights[lo : lo + ids.numel()].copy_(kv.table(f"t{t}").initial_rows(ids))
+    # The stock EBC starts from the KV tables' initial rows (an id is a row of the
+    # stock table); sparse gradients and torch's Adagrad, as one trains it without
+    # FBGEMM's fused tables.
+    stock = EmbeddingBagCollection(configs, device=device)
+    for t, bag in enumerate(stock.embedding_bags.values()):
+        copy_initial_rows(kv.table(f"t{t}"), bag.weight, config.rows)
+        bag.sparse = True
+    stock_optim = torch.optim.Adagrad(stock.parameters(), lr=config.learning_rate, eps=config.eps)
+    notes = []
+    try:
+        tbe = build_tbe(config, device, tables=config.tables)
+    except BaselineUnavailableError as exc:
+        tbe = None
+        notes.append(str(exc))
+    else:
+        for t, weights in enumerate(tbe.split_embedding_weights()):
+            copy_initial_rows(kv.table(f"t{t}"), weights, config.rows)
 
     def kv_train(batches):
         return lambda i: kv(batches[i % len(batches)]).values().backward(grad)
+
+    def stock_train(batches):
+        def step(i: int) -> None:
+            stock(batches[i % len(batches)]).values().backward(grad)
+            stock_optim.step()
+            stock_optim.zero_grad(set_to_none=True)
+
+        return step
 
     def tbe_train(batches):
         def step(i: int) -> None:
@@ -535,38 +629,59 @@ def measure_ebc(config: GpuConfig, device: torch.device) -> list[Rate]:
 
         return step
 
+    # The first batch: every system pools the same rows; FBGEMM's (row-wise Adagrad
+    # too) then makes the same update (torch's Adagrad is element-wise: not compared).
     first = prime[0]
-    kv_out, tbe_out = kv(first).values(), tbe(first.values(), first.offsets())
-    check_same_as_tbe("EBC pooled rows", kv_out.detach(), tbe_out.detach())
+    kv_out = kv(first).values()
+    check_agree("EBC pooled rows", kv_out.detach(), stock(first).values().detach(), EBC)
+    trainers = {KV: kv_train, EBC: stock_train}
+    evaluate = {KV: kv, EBC: stock}
+    if tbe is not None:
+        tbe_out = tbe(first.values(), first.offsets())
+        check_agree("EBC pooled rows", kv_out.detach(), tbe_out.detach(), TBE)
+        tbe_out.backward(grad)
+        trainers[TBE] = tbe_train
+        evaluate[TBE] = lambda kjt: tbe(kjt.values(), kjt.offsets())
     kv_out.backward(grad)
-    tbe_out.backward(grad)
-    for t, weights in enumerate(tbe_weights):
-        ids = torch.unique(first[keys[t]].values())
-        rows, _ = kv.table(f"t{t}").find(ids)
-        check_same_as_tbe(f"EBC table t{t}'s rows after one step", rows, weights[ids])
-    for i in range(1, config.prime):
-        kv_train(prime)(i)
-        tbe_train(prime)(i)
-    train = _median_s(device, {KV: kv_train(train_batches), TBE: tbe_train(train_batches)}, config)
+    stock_train(prime)(0)
+    if tbe is not None:
+        for t, weights in enumerate(tbe.split_embedding_weights()):
+            ids = torch.unique(first[f"f{t}"].values())
+            rows, _ = kv.table(f"t{t}").find(ids)
+            check_agree(f"EBC table t{t}'s rows after one step", rows, weights[ids], TBE)
+    for i in range(1, config.prime):  # the first prime batch was the agreement check
+        for make in trainers.values():
+            make(prime)(i)
+    trained = _median_s(device, {name: make(train_batches) for name, make in trainers.items()},
+                        config)  # fmt: skip
 
     kv.eval()
+    stock.eval()
 
-    def kv_eval(i: int) -> None:
-        with torch.no_grad():
-            kv(held_out[i % len(held_out)])
+    def eval_step(model) -> Callable[[int], None]:
+        def step(i: int) -> None:
+            with torch.no_grad():
+                model(held_out[i % len(held_out)])
 
-    def tbe_eval(i: int) -> None:
-        kjt = held_out[i % len(held_out)]
-        with torch.no_grad():
-            tbe(kjt.values(), kjt.offsets())
+        return step
 
-    evaluation = _median_s(device, {KV: kv_eval, TBE: tbe_eval}, config)
+    evaluated = _median_s(device, {name: eval_step(m) for name, m in evaluate.items()}, config)
     row_bytes = config.ids_per_step * config.dim * 4
-    return [
+    rates = [
         Rate("ebc", mode, system, config.ids_per_step, row_bytes, seconds[system])
-        for mode, seconds in (("train", train), ("eval", evaluation))
-        for system in (KV, TBE)
+        for mode, seconds in (("train", trained), ("eval", evaluated))
+        for system in seconds
     ]
+    return rates, notes
+
+
+def copy_initial_rows(table, weights: torch.Tensor, rows: int) -> None:
+    """Rows ``0 .. rows - 1`` of a baseline's ``weights``: the KV ``table``'s initial
+    rows of those ids."""
+    with torch.no_grad():
+        for lo in range(0, rows, INIT_CHUNK):
+            ids = torch.arange(lo, min(lo + INIT_CHUNK, rows), device=weights.device)
+            weights[lo : lo + ids.numel()].copy_(table.initial_rows(ids))
 
 
 # ------------------------------------------------------------------- run
@@ -574,20 +689,28 @@ def run(config: GpuConfig, device: torch.device, verbose: bool = True) -> GpuRes
     """All three parts on ``device`` with the Triton backend forced."""
     previous = os.environ.get(ENV_VAR)
     os.environ[ENV_VAR] = "triton"
+    # The torch baselines' sparse gradients: no invariant checks (torch's default,
+    # said explicitly so that torch does not warn about it on every step).
+    torch.sparse.check_sparse_tensor_invariants.disable()
     begin = time.perf_counter()
+    notes: list[str] = []
     try:
         rates = [measure_copy(config, device)]
         _log(f"copy bandwidth measured ({time.perf_counter() - begin:.0f}s)", verbose)
-        rates += measure_kernels(config, device)
+        kernel_rates, kernel_notes = measure_kernels(config, device)
         _log(f"kernels timed ({time.perf_counter() - begin:.0f}s)", verbose)
-        rates += measure_ebc(config, device)
+        ebc_rates, ebc_notes = measure_ebc(config, device)
         _log(f"EBC steps timed ({time.perf_counter() - begin:.0f}s)", verbose)
     finally:
         if previous is None:
             os.environ.pop(ENV_VAR, None)
         else:
             os.environ[ENV_VAR] = previous
-    return GpuResult(config, device_name(device), tuple(rates))
+    for note in kernel_notes + ebc_notes:
+        if note not in notes:
+            notes.append(note)
+    rates += kernel_rates + ebc_rates
+    return GpuResult(config, device_name(device), tuple(rates), tuple(notes))
 
 
 def _log(message: str, verbose: bool) -> None:
@@ -630,23 +753,30 @@ class Ratio:
         return self.kv.items_per_s / self.baseline.items_per_s
 
 
+#: Ratios in ids/s, KV over each baseline that ran: (what, part, KV's name, the
+#: baseline's name, its system, target).
+RATIOS = (
+    ("KV EBC / stock EBC train", "ebc", "train", "train", EBC, None),
+    ("KV EBC / stock EBC eval", "ebc", "eval", "eval", EBC, None),
+    ("pooled fwd kernel / EmbeddingBag fwd", "kernels", "pooled fwd", "fwd", BAG, None),
+    ("fwd+bwd+update kernels / EmbeddingBag fwd+bwd+Adagrad", "kernels", "fwd+bwd+update",
+     "fwd+bwd+update", BAG, None),
+    ("KV EBC / TBE train", "ebc", "train", "train", TBE, EBC_TARGETS["train"]),
+    ("KV EBC / TBE eval", "ebc", "eval", "eval", TBE, EBC_TARGETS["eval"]),
+    ("pooled fwd kernel / TBE fwd", "kernels", "pooled fwd", "fwd", TBE, None),
+    ("fwd+bwd+update kernels / TBE fwd+bwd", "kernels", "fwd+bwd+update", "fwd+bwd+update",
+     TBE, None),
+)  # fmt: skip
+
+
 def ratios(result: GpuResult) -> list[Ratio]:
-    """KV over FBGEMM in ids/s: whole EBC steps (with targets) and lookup kernels."""
-    out = [
-        Ratio(f"KV EBC / TBE {mode}", result.get("ebc", mode, KV), result.get("ebc", mode, TBE),
-              target)
-        for mode, target in EBC_TARGETS.items()
-    ]  # fmt: skip
-    out.append(
-        Ratio("pooled fwd kernel / TBE fwd", result.get("kernels", "pooled fwd", KV),
-              result.get("kernels", "fwd", TBE), None)
-    )  # fmt: skip
-    out.append(
-        Ratio("fwd+bwd+update kernels / TBE fwd+bwd",
-              result.get("kernels", "fwd+bwd+update", KV),
-              result.get("kernels", "fwd+bwd+update", TBE), None)
-    )  # fmt: skip
-    return out
+    """KV over each baseline that ran, in ids/s: whole EBC steps and lookup kernels
+    (targets against FBGEMM's fused tables only)."""
+    return [
+        Ratio(what, result.get(part, kv_name, KV), result.get(part, name, system), target)
+        for what, part, kv_name, name, system, target in RATIOS
+        if result.has(part, name, system)
+    ]
 
 
 RATIO_HEADERS = ("ratio (ids/s)", "value", "target", "")
@@ -673,20 +803,19 @@ def describe(config: GpuConfig) -> str:
 
 
 def report(result: GpuResult) -> str:
-    return "\n\n".join(
-        [
-            f"device: {result.device}\n{describe(result.config)}",
-            f"copy bandwidth: {result.copy.gb_per_s:.1f} GB/s (read + write)",
-            format_table(RATE_HEADERS, rate_rows(result)),
-            format_table(RATIO_HEADERS, ratio_rows(result)),
-        ]
-    )
+    parts = [
+        f"device: {result.device}\n{describe(result.config)}",
+        f"copy bandwidth: {result.copy.gb_per_s:.1f} GB/s (read + write)",
+        format_table(RATE_HEADERS, rate_rows(result)),
+        format_table(RATIO_HEADERS, ratio_rows(result)),
+    ]
+    return "\n\n".join(parts + [f"not run: {note}" for note in result.notes])
 
 
 def write_report(result: GpuResult, path: str, command: str) -> None:
     write_markdown(
         path,
-        "Triton kernels and KV EBC vs FBGEMM fused tables (GPU)",
+        "Triton kernels and KV EBC vs torch's EmbeddingBag, a stock EBC (and FBGEMM) (GPU)",
         [
             f"`{command}`",
             f"Device: {result.device}.  \n{describe(result.config)}.  \n"
@@ -695,7 +824,10 @@ def write_report(result: GpuResult, path: str, command: str) -> None:
             markdown_table(RATIO_HEADERS, ratio_rows(result)),
             "GB/s counts the bytes each kernel must move at least "
             "(`benchmarks.gpu_kernels.kernel_bytes`); `of copy` is that over the copy "
-            "bandwidth. EBC GB/s counts one pass over the rows a step's ids touch.",
+            "bandwidth. EBC GB/s counts one pass over the rows a step's ids touch. "
+            "The torch baselines train with `torch.optim.Adagrad` (element-wise state: "
+            "more bytes than the row-wise Adagrad of KV and FBGEMM, counted as theirs).",
+            *[f"Not run: {note}." for note in result.notes],
         ],
     )
 
