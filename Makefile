@@ -15,7 +15,7 @@ TORCHREC := torchrec==1.9.2
 TORCHREC_NEEDS := tensordict torchmetrics==1.0.3 tqdm pyre-extensions
 TOOLS := triton==3.9.0 numpy pytest ruff matplotlib
 
-.PHONY: install test lint format demo demo-seq bench clean
+.PHONY: install test lint format demo demo-seq bench clean gpu-wheels test-gpu bench-gpu
 
 install: $(STAMP) $(PACKAGE)
 
@@ -69,6 +69,51 @@ demo-seq: install
 
 bench: install
 	OMP_NUM_THREADS=2 $(BIN)/python -m benchmarks.run
+
+# GPU mode (docs/gpu.md), on a machine with a CUDA GPU and its own torch and triton
+# (no .venv: the machine's $(GPU_PY) runs everything). TorchRec and FBGEMM's CPU
+# build come from $(GPU_WHEELS)/ where they do not import (`make gpu-wheels`, run
+# where PyPI is reachable, fills it); the package is installed editable into $(GPU_PY).
+# Without a CUDA GPU both targets print why and exit 0.
+GPU_PY ?= python3
+GPU_WHEELS ?= gpu_wheels
+BENCH_GPU_OUT ?= out/bench-gpu.md
+BENCH_GPU_FLAGS ?=
+
+define GPU_GUARD
+ok=$$($(GPU_PY) -c 'import torch; print("ok" if torch.cuda.is_available() else "torch.cuda.is_available() is False")' 2>/dev/null | tail -n 1); \
+if [ "$$ok" != ok ]; then \
+	echo "make $@: no CUDA GPU here ($${ok:-no torch importable by $(GPU_PY)}): nothing to run"; \
+	exit 0; \
+fi
+endef
+
+define GPU_SETUP
+GPU_WHEELS_DIR=$(GPU_WHEELS) scripts/gpu_wheels.sh install $(GPU_PY) && \
+$(GPU_PY) -m pip install -q --no-deps --no-build-isolation -e . && \
+$(GPU_PY) -c 'import torch, triton, fbgemm_gpu, torchrec.distributed, importlib.metadata as m; \
+print("make $@:", torch.cuda.get_device_name(), "| torch", torch.__version__, "| triton", \
+triton.__version__, "| torchrec", m.version("torchrec"), "| fbgemm_gpu", fbgemm_gpu.__version__)'
+endef
+
+gpu-wheels:
+	GPU_WHEELS_DIR=$(GPU_WHEELS) scripts/gpu_wheels.sh download
+
+# Every test that takes the `device` fixture, on cuda, the Triton kernels compiled
+# (tests/conftest.py: KVEMB_TEST_DEVICE=cuda drops TRITON_INTERPRET).
+test-gpu:
+	@$(GPU_GUARD); \
+	$(GPU_SETUP) && \
+	env -u TRITON_INTERPRET KVEMB_TEST_DEVICE=cuda $(GPU_PY) -m pytest -q -m device tests
+
+# benchmarks.gpu_kernels on cuda: Triton kernels and KV EBC against torch's
+# EmbeddingBag, a stock EmbeddingBagCollection and the copy bandwidth (and FBGEMM's
+# fused tables where its CUDA build imports); the report also goes to $(BENCH_GPU_OUT).
+bench-gpu:
+	@$(GPU_GUARD); \
+	$(GPU_SETUP) && \
+	mkdir -p $(dir $(BENCH_GPU_OUT)) && \
+	env -u TRITON_INTERPRET $(GPU_PY) -m benchmarks.gpu_kernels --out $(BENCH_GPU_OUT) $(BENCH_GPU_FLAGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info torchrec_kvemb/_kvemb_native*.so
