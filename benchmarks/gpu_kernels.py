@@ -396,7 +396,7 @@ def measure_kernels(config: GpuConfig, device: torch.device) -> tuple[list[Rate]
         raise RuntimeError("a stored id of the benchmark batch was not found")
     slot_table = table_idx  # the table of each id, hence of its slot
     rows = torch.unique(slots).numel()
-    lrs = group.learning_rate_tensor()
+    lrs = torch.tensor(group.learning_rates(), dtype=torch.float32, device=device)
     ones = torch.ones(T, device=device)
 
     # ``find+insert``: the batch with one id in NEW_EVERY replaced by an id never
