@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml Makefile
 # a C++ compiler the package installs and the torch path runs, docs/native.md).
 $(PACKAGE): $(STAMP) pyproject.toml $(NATIVE_SOURCES)
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
-	$(BIN)/python -m torchrec_kvemb.ops.native
+	$(BIN)/python -m torchrec_kvemb.native_lib
 	touch $(PACKAGE)
 
 test: install

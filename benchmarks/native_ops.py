@@ -51,6 +51,7 @@ from benchmarks.common import (
     time_interleaved,
     write_markdown,
 )
+from torchrec_kvemb import native_lib
 from torchrec_kvemb.contracts import Bags, GroupLayout, init_spec
 from torchrec_kvemb.ops import native
 from torchrec_kvemb.ops.pooled_lookup import pooled_backward_update_torch
@@ -241,8 +242,8 @@ def run(config: BenchConfig, verbose: bool = True) -> BenchResult:
 
 
 def _run(config: BenchConfig, verbose: bool) -> BenchResult:
-    if not native.available():
-        raise RuntimeError(f"native kernels unavailable: {native.unavailable_reason()}")
+    if not native_lib.available():
+        raise RuntimeError(f"native kernels unavailable: {native_lib.unavailable_reason()}")
     begin = time.perf_counter()
     load_at_start = load_average()
     threads = torch.get_num_threads()
@@ -372,7 +373,7 @@ def summary(result: BenchResult) -> str:
         f"ids a step over [0, {c.id_range or c.rows:,}) per table "
         f"({result.uniques_per_step:,.0f} unique, {result.new_rows_per_step:,.0f} new rows a "
         f"find-or-insert step); row-wise Adagrad; {torch.get_num_threads()} threads; "
-        f"native build: {native.variant()}"
+        f"native build: {native_lib.variant()}"
     )
 
 

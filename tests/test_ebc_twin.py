@@ -2,7 +2,9 @@
 
 With ids below num_embeddings, rows copied from the stock table and no
 eviction, both must give the same pooled outputs at every step and the same
-rows and optimizer state after several fused row-wise Adagrad / SGD steps.
+rows and optimizer state after several fused row-wise Adagrad / SGD steps, on
+each implementation (the native kernels, the torch path, the Triton kernels in
+the interpreter), each checked to be the one that ran.
 """
 
 import pytest
@@ -19,8 +21,9 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-import torchrec_kvemb.dispatch as dispatch_module
 from torchrec_kvemb import KVEmbeddingBagCollection, KVTableOptions
+
+from .spies import IMPLEMENTATIONS, run_on
 
 ROWS = (37, 23)
 DIMS = (8, 12)
@@ -85,11 +88,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("path", ["fbgemm-fast-path", "torch-reference"])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("pooling,weighted,optim", CASES)
-def test_matches_fbgemm_tbe(pooling, weighted, optim, path, monkeypatch):
-    if path == "torch-reference":
-        monkeypatch.setattr(dispatch_module, "fbgemm_supports", lambda *a: False)
+def test_matches_fbgemm_tbe(pooling, weighted, optim, implementation, monkeypatch):
+    ran = run_on(monkeypatch, implementation)
     tbe, kv = _build(pooling, weighted, optim)
     gen = torch.Generator().manual_seed(1)
     for step in range(4):
@@ -110,6 +112,7 @@ def test_matches_fbgemm_tbe(pooling, weighted, optim, path, monkeypatch):
         assert torch.equal(ids, torch.arange(ROWS[i])), f"table t{i} stored ids {ids.tolist()}"
         torch.testing.assert_close(exported["weights"], w, atol=1e-5, rtol=1e-5)
         assert kv.table(f"t{i}").metrics()["evictions"] == 0
+    ran.check()
     if optim == EmbOptimType.EXACT_ROWWISE_ADAGRAD:
         states = tbe.split_optimizer_states()
         for i in range(len(ROWS)):

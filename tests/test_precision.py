@@ -14,6 +14,7 @@
 """
 
 import collections
+import math
 
 import pytest
 import torch
@@ -98,6 +99,14 @@ def _fill(tables: dict[str, KVTable], rows: list[torch.Tensor]) -> None:
         tables[f"t{i}"].insert(torch.arange(ROWS[i]), w.detach().float())
 
 
+def _fp16_ulp(rows: list[torch.Tensor]) -> float:
+    """One float16 ulp at the largest magnitude of ``rows``. An update may land one
+    ulp from FBGEMM's per step: FBGEMM sums a row's gradient in another order, so an
+    fp32 update on a rounding boundary can round to the neighbouring half."""
+    top = max(float(r.detach().float().abs().max()) for r in rows)
+    return 2.0 ** (math.floor(math.log2(top)) - 10)
+
+
 def _rows(table: KVTable, n: int) -> torch.Tensor:
     export = table.export()
     assert torch.equal(export["ids"], torch.arange(n)), f"table {table.name!r} lost ids"
@@ -113,20 +122,23 @@ def test_fp16_bags_match_fbgemm_fp16_tbe(optim):
         fused_params=_fused(OPTIMIZERS[optim]),
     )
     _fill(kv.kv_tables(), tbe.split_embedding_weights())
+    ulp = _fp16_ulp(tbe.split_embedding_weights())
     gen = torch.Generator().manual_seed(1)
     for step in range(STEPS):
         kjt = _batch(gen)
         got = kv(kjt).values()
         want = tbe(kjt.values(), kjt.offsets())
-        # FBGEMM's own FP16 tests compare at about this tolerance.
-        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3, msg=f"step {step}")
+        # FBGEMM's own FP16 tests compare at 1e-3; a bag pools up to 4 rows, each
+        # up to one ulp per step from FBGEMM's (``_fp16_ulp``).
+        atol = max(1e-3, 4 * step * ulp)
+        torch.testing.assert_close(got, want, atol=atol, rtol=1e-3, msg=f"step {step}")
         grad = torch.randn(got.shape, generator=gen)
         got.backward(grad)
         want.backward(grad)
     for i, w in enumerate(tbe.split_embedding_weights()):
         rows = _rows(kv.table(f"t{i}"), ROWS[i])
         assert rows.dtype == torch.float16
-        torch.testing.assert_close(rows, w, atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(rows, w, atol=max(1e-3, STEPS * ulp), rtol=1e-3)
 
 
 def test_fp16_sequences_match_fbgemm_fp16_sequence_tbe():

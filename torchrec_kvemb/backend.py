@@ -1,11 +1,21 @@
-"""Which implementation runs an op: the Triton kernels or the torch path.
+"""Which implementation runs the ops: the one backend decision.
 
-``TORCHREC_KVEMB_BACKEND`` overrides the choice:
+The kernels are registered torch ops (``torch.ops.kvemb.*``, ``library/``):
+PyTorch's dispatcher picks their kernel by the tensors' device (native C++ on the
+CPU, Triton on CUDA). ``implementation`` says, for a device, whether those ops
+run or the torch path (the readable reference, ``torchrec_kvemb/ops/``), by
+``TORCHREC_KVEMB_BACKEND``:
 
-* ``auto`` (default): Triton for CUDA tensors, torch otherwise.
-* ``torch``: always the vectorized torch path.
+* ``auto`` (default): ``"triton"`` on CUDA, ``"native"`` on the CPU where the
+  native library was built, ``"torch"`` otherwise (no compiler at install: the
+  slower path still works);
+* ``torch``: always the torch path;
 * ``triton``: always the Triton kernels (on CPU tensors this needs
-  ``TRITON_INTERPRET=1``, which runs them in Triton's interpreter, slowly).
+  ``TRITON_INTERPRET=1``, Triton's interpreter, slowly: how the tests check them).
+
+Example::
+
+    implementation("cpu")    # "native" where the library was built, else "torch"
 """
 
 from __future__ import annotations
@@ -14,8 +24,12 @@ import os
 
 import torch
 
+from torchrec_kvemb import native_lib
+
 ENV_VAR = "TORCHREC_KVEMB_BACKEND"
 _CHOICES = ("auto", "torch", "triton")
+#: What ``implementation`` can answer.
+IMPLEMENTATIONS = ("native", "torch", "triton")
 
 
 def backend_setting() -> str:
@@ -26,9 +40,17 @@ def backend_setting() -> str:
     return value
 
 
-def use_triton(device: torch.device | str) -> bool:
-    """True when ops on ``device`` should run the Triton kernels."""
+@torch.compiler.assume_constant_result  # a compiled graph keeps the implementation it saw
+def implementation(device: torch.device | str) -> str:
+    """What runs the ops on tensors of ``device``: ``"native"`` or ``"triton"`` (the
+    registered ops; Triton also when forced on CPU tensors) or ``"torch"`` (the
+    reference path)."""
     setting = backend_setting()
-    if setting == "auto":
-        return torch.device(device).type == "cuda"
-    return setting == "triton"
+    if setting != "auto":
+        return setting
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return "triton"
+    if kind == "cpu" and native_lib.available():
+        return "native"
+    return "torch"

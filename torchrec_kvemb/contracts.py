@@ -60,6 +60,23 @@ INDEX_SALT = 0x1B873593A5A5A5A5
 ROUTE_SALT = 0x2545F4914F6CDD1D
 SEED_SALT = 0x5851F42D4C957F2D
 INT64_MAX = (1 << 63) - 1
+
+#: Counters every table keeps (``KVTable.metrics()``; a tiered table adds its
+#: tier's). The first ``KERNEL_METRICS`` are the columns the grouped lookups add
+#: to (``KvMetric`` in csrc/kvemb_native.h, checked against this list by a test).
+METRIC_NAMES = (
+    "hits",
+    "misses",
+    "inserts",
+    "evictions",
+    "admission_rejects",
+    "insert_failures",
+    "ssd_hits",
+    "ssd_misses",
+    "promotions",
+    "demotions",
+)
+KERNEL_METRICS = 6
 _U64 = (1 << 64) - 1
 
 
@@ -241,14 +258,52 @@ class GroupLayout:
     admission_threshold: torch.Tensor  # [T] int64
     counter_bucket_offset: torch.Tensor  # [T] int64
     counter_num_buckets: torch.Tensor  # [T] int64 (0 without admission)
-    seed_mix: torch.Tensor  # [T] int64
+    seed: torch.Tensor  # [T] int64: the tables' seeds
+    seed_mix: torch.Tensor  # [T] int64: ``seed_mix(seed)``
     init_normal: torch.Tensor  # [T] int64: 1 normal, 0 uniform
     init_a: torch.Tensor  # [T] float64: low (uniform) or mean (normal)
     init_b: torch.Tensor  # [T] float64: high (uniform) or std (normal)
-    init_specs: tuple[InitSpec, ...]
-    policies: tuple[EvictionPolicy, ...]
     has_admission: bool  # some table admits ids after several sightings
     has_normal: bool  # some table draws its initial rows from a normal law
+
+    #: The tensor fields in the order the grouped ops take them (``tensors()``).
+    TENSORS = (
+        "bucket_offset",
+        "num_buckets",
+        "policy",
+        "admission_threshold",
+        "counter_bucket_offset",
+        "counter_num_buckets",
+        "seed",
+        "seed_mix",
+        "init_normal",
+        "init_a",
+        "init_b",
+    )
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The layout's tensors, in ``TENSORS`` order: what a registered op takes."""
+        return tuple(getattr(self, name) for name in self.TENSORS)
+
+    @classmethod
+    def from_tensors(
+        cls, tensors: Sequence[torch.Tensor], has_admission: bool, has_normal: bool
+    ) -> GroupLayout:
+        """The layout of an op's arguments (``tensors()``, then the two flags)."""
+        return cls(**dict(zip(cls.TENSORS, tensors, strict=True)), has_admission=has_admission,
+                   has_normal=has_normal)  # fmt: skip
+
+    @property
+    def init_specs(self) -> tuple[InitSpec, ...]:
+        """Each table's ``InitSpec`` (read from the tensors: a host copy on a GPU)."""
+        rows = zip(
+            self.seed.tolist(),
+            self.init_normal.tolist(),
+            self.init_a.tolist(),
+            self.init_b.tolist(),
+            strict=True,
+        )
+        return tuple(InitSpec(seed, bool(normal), a, b) for seed, normal, a, b in rows)
 
     @classmethod
     def of(
@@ -292,12 +347,11 @@ class GroupLayout:
             admission_threshold=ints(thresholds),
             counter_bucket_offset=offsets(counters),
             counter_num_buckets=ints(counters),
+            seed=ints([s.seed for s in init]),
             seed_mix=ints([seed_mix(s.seed) for s in init]),
             init_normal=ints([int(s.normal) for s in init]),
             init_a=floats([s.a for s in init]),
             init_b=floats([s.b for s in init]),
-            init_specs=tuple(init),
-            policies=tuple(policies),
             has_admission=any(t > 1 for t in thresholds),
             has_normal=any(s.normal for s in init),
         )
@@ -406,13 +460,12 @@ class Bags(NamedTuple):
 
 class GroupOptimizer(NamedTuple):
     """What a grouped backward needs of the group's optimizers: per table, its
-    config (with its current learning rate), its optimizer step (already advanced
-    for this backward, as ints and on the device), and its rows' slot range."""
+    config, its learning rate and its optimizer steps so far (``[T]`` tensors on the
+    group's device; the backward advances ``steps``), and its rows' slot range."""
 
     configs: tuple[FusedOptimConfig, ...]
-    steps: tuple[int, ...]
-    device_steps: torch.Tensor  # [T] int64
-    learning_rates: torch.Tensor  # [T] float32, on the group's device
+    learning_rates: torch.Tensor  # [T] float64
+    steps: torch.Tensor  # [T] int64
     row_offsets: tuple[int, ...]
     rows: tuple[int, ...]
     row_ends: torch.Tensor  # [T] int64 on the device: row_offsets + rows

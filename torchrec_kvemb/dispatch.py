@@ -1,13 +1,12 @@
-"""Which implementation runs each op: the one place where a backend is chosen.
+"""The ops as the rest of the package calls them: the registered ops
+(``torch.ops.kvemb.*``, ``library/``), or the torch path.
 
-``TORCHREC_KVEMB_BACKEND`` (``backend.py``) decides per call, by device:
-
-* CUDA tensors: the Triton kernels (``kernels/``);
-* CPU tensors: the native kernels (``csrc/``, ``ops/native.py``) for a group's
-  id -> slot work and fused backward, where the library was built; fbgemm's CPU
-  kernels where they compute exactly the same thing (``fbgemm_supports``); the
-  torch path otherwise, which is also the reference all of them are tested
-  against (``TORCHREC_KVEMB_BACKEND=torch`` forces it).
+``backend.implementation`` (the one backend decision) says, per device, whether
+the registered ops run (PyTorch's dispatcher then picks their kernel by device:
+native C++ on the CPU, Triton on CUDA) or the torch path (``ops/``: the
+reference). With ``TORCHREC_KVEMB_BACKEND=triton`` on CPU tensors, an op's CUDA
+kernel is called directly and runs in Triton's interpreter. Each function here
+normalizes its inputs (contiguous int64 ids) and calls that one implementation.
 
 The Triton kernel modules are imported on first use, so that a CPU-only process
 never compiles them.
@@ -15,9 +14,13 @@ never compiles them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
-from torchrec_kvemb.backend import use_triton
+from torchrec_kvemb import library
+from torchrec_kvemb.backend import implementation
 from torchrec_kvemb.contracts import (
     INDEX_SALT,
     ROUTE_SALT,
@@ -31,20 +34,15 @@ from torchrec_kvemb.contracts import (
     TableStorage,
     to_signed,
 )
-from torchrec_kvemb.ops import hashing, native
+from torchrec_kvemb.ops import hashing
 from torchrec_kvemb.ops.block_bucketize import (
     IntsLike,
-    bucketize_prepared_fbgemm,
     bucketize_prepared_torch,
     prepare_inputs,
 )
 from torchrec_kvemb.ops.export_order import export_order_torch
 from torchrec_kvemb.ops.insert import insert_torch
-from torchrec_kvemb.ops.optimizer_update import (
-    fbgemm_supports,
-    fused_backward_fbgemm,
-    optimizer_update_torch,
-)
+from torchrec_kvemb.ops.optimizer_update import optimizer_update_torch
 from torchrec_kvemb.ops.place import bulk_load_torch, place_torch
 from torchrec_kvemb.ops.pooled_lookup import (
     group_pooled_backward_torch,
@@ -52,58 +50,62 @@ from torchrec_kvemb.ops.pooled_lookup import (
     group_rows_forward_torch,
 )
 from torchrec_kvemb.ops.probe import probe_torch
-from torchrec_kvemb.optimizer import OptimKind, WeightDecay
-from torchrec_kvemb.options import WAYS
+
+
+def registered(name: str, device: torch.device | str) -> Callable[..., Any] | None:
+    """What runs ``kvemb::name`` on ``device``'s tensors: the registered op (the
+    dispatcher picks its kernel), its CUDA kernel called directly (Triton forced on
+    other tensors: the interpreter), or None where the torch path runs."""
+    impl = implementation(device)
+    if impl == "torch":
+        return None
+    if impl == "triton" and torch.device(device).type != "cuda":
+        return library.cuda_kernel(name)
+    return getattr(torch.ops.kvemb, name)
+
+
+def _ids64(ids: torch.Tensor) -> bool:
+    return ids.dtype == torch.int64 and ids.dim() == 1
 
 
 def index_bucket(ids: torch.Tensor, num_buckets: int) -> torch.Tensor:
-    """``ops.hashing.index_bucket``: natively on the CPU where the library was built
-    (the same bits; why: 7 ms against 150 ms of torch ops for 1M ids)."""
-    if native.use_native(ids.device) and ids.dtype == torch.int64 and ids.dim() == 1:
-        return native.index_bucket(ids.contiguous(), num_buckets)
+    """``ops.hashing.index_bucket`` (natively on the CPU: the same bits; why: 7 ms
+    against 150 ms of torch ops for 1M ids)."""
+    op = registered("index_bucket", ids.device)
+    if op is not None and _ids64(ids):
+        return op(ids.contiguous(), num_buckets)
     return hashing.index_bucket(ids, num_buckets)
 
 
 def route_bucket(ids: torch.Tensor, num_buckets: int) -> torch.Tensor:
-    """``ops.hashing.route_bucket`` among one bucket count: natively on the CPU where
-    the library was built. The native op hashes ``fmix64(x ^ INDEX_SALT)``; for
-    ``x = id ^ ROUTE_SALT ^ INDEX_SALT`` that is ``fmix64(id ^ ROUTE_SALT)``, the
-    routing hash (the same bits; why: a checkpoint hashes every id it saves or loads,
-    110 ms per 1M ids with torch ops)."""
-    if native.use_native(ids.device) and ids.dtype == torch.int64 and ids.dim() == 1:
-        salted = ids ^ to_signed(ROUTE_SALT ^ INDEX_SALT)
-        return native.index_bucket(salted, num_buckets)
+    """``ops.hashing.route_bucket`` among one bucket count. The index hash is
+    ``fmix64(x ^ INDEX_SALT)``; for ``x = id ^ ROUTE_SALT ^ INDEX_SALT`` that is
+    ``fmix64(id ^ ROUTE_SALT)``, the routing hash (the same bits; why: a checkpoint
+    hashes every id it saves or loads, 110 ms per 1M ids with torch ops)."""
+    op = registered("index_bucket", ids.device)
+    if op is not None and _ids64(ids):
+        return op(ids ^ to_signed(ROUTE_SALT ^ INDEX_SALT), num_buckets)
     return hashing.route_bucket(ids, num_buckets)
 
 
 def probe(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Slots ``[n]`` of ``ids`` in the index ``keys``; -1 where absent."""
-    if use_triton(ids.device):
-        from torchrec_kvemb.kernels import probe as kernel
-
-        return kernel.probe_triton(keys, ids)
-    if native.use_native(ids.device) and keys.is_contiguous() and ids.dtype == torch.int64:
-        # why native: 0.13-0.18 ms against 0.84-1.15 ms (torch ops, 1 thread) for 20k ids
-        # in an index of 2,508 buckets; the same slots (the group probe of one table).
-        ids = ids.contiguous()
-        one = torch.tensor([keys.shape[0]], dtype=torch.int64)
-        table = torch.zeros(ids.numel(), dtype=torch.int64)
-        return native.lookup_eval_group(keys, one.new_zeros(1), one, ids, table)[0]
-    return probe_torch(keys, ids)
+    op = registered("probe", ids.device)
+    if op is None:
+        return probe_torch(keys, ids)
+    # why native on the CPU: 0.13-0.18 ms against 0.84-1.15 ms (torch ops, 1 thread)
+    # for 20k ids in an index of 2,508 buckets.
+    return op(keys.contiguous(), ids.to(torch.int64).contiguous())
 
 
 def place(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Absent ``ids`` into the first empty ways of their buckets (``ops/place.py``)."""
-    if (
-        native.use_native(ids.device)
-        and keys.is_contiguous()
-        and keys.shape[1] == WAYS
-        and ids.dtype == torch.int64
-    ):
-        # why native: ~5x less time than the dozen torch ops for the SSD tier's
-        # 5k demotions a step (0.5 against 2.5 ms, one thread).
-        return native.place(keys, ids.contiguous())
-    return place_torch(keys, ids)
+    op = registered("place", ids.device)
+    if op is None:
+        return place_torch(keys, ids)
+    # why native on the CPU: ~5x less time than the dozen torch ops for the SSD
+    # tier's 5k demotions a step (0.5 against 2.5 ms, one thread).
+    return op(keys, ids.to(torch.int64).contiguous())
 
 
 def bulk_load(
@@ -111,22 +113,16 @@ def bulk_load(
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Unique ``ids`` with score ``values`` into an EMPTY index (``ops/place.py``):
     ``(src, slots)``, the input positions that got a slot (``None``: all) and theirs."""
-    if (
-        native.use_native(ids.device)
-        and keys.is_contiguous()
-        and scores.is_contiguous()
-        and keys.shape[1] == WAYS
-        and ids.dtype == torch.int64
-        and values.dtype == torch.int64
-    ):
-        # why native: a counting sort by bucket instead of up to four stable sorts
-        # (a checkpoint load plans each table's index this way: 0.13-0.2 s per 1M ids).
-        slots = native.bulk_load(keys, scores, ids.contiguous(), values.contiguous())
-        if bool((slots >= 0).all()):
-            return None, slots
-        src = (slots >= 0).nonzero().squeeze(1)
-        return src, slots[src]
-    return bulk_load_torch(keys, scores, ids, values)
+    op = registered("bulk_load", ids.device)
+    if op is None:
+        return bulk_load_torch(keys, scores, ids, values)
+    # why native on the CPU: a counting sort by bucket instead of up to four stable
+    # sorts (a checkpoint load plans each table's index this way: 0.13-0.2 s per 1M ids).
+    slots = op(keys, scores, ids.to(torch.int64).contiguous(), values.to(torch.int64).contiguous())
+    if bool((slots >= 0).all()):
+        return None, slots
+    src = (slots >= 0).nonzero().squeeze(1)
+    return src, slots[src]
 
 
 def export_order(
@@ -134,41 +130,29 @@ def export_order(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(ids, slots, counts)``: the ids stored in ``keys`` by routing bucket, then id,
     their slots, and ids per routing bucket (``ops/export_order.py``)."""
-    if native.use_native(keys.device) and keys.is_contiguous() and keys.dtype == torch.int64:
-        # why native: a counting sort by routing bucket instead of a radix sort of
-        # every id (a checkpoint orders each table it saves: 70 ms per 1M ids).
-        return native.export_order(keys.view(-1), route_buckets, ROUTE_SALT)
-    return export_order_torch(keys, route_buckets)
+    op = registered("export_order", keys.device)
+    if op is None:
+        return export_order_torch(keys, route_buckets)
+    # why native on the CPU: a counting sort by routing bucket instead of a radix sort
+    # of every id (a checkpoint orders each table it saves: 70 ms per 1M ids).
+    return op(keys.contiguous(), route_buckets)
 
 
 def scatter_rows(dest: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
     """``dest.index_copy_(0, slots, rows)`` (rows of a table's arrays at ``slots``)."""
-    if (
-        native.use_native(dest.device)
-        and dest.dtype == rows.dtype == torch.float32
-        and dest.dim() == rows.dim() == 2
-        and (dest.shape[1] == 1 or dest.stride(1) == 1)
-        and (rows.shape[1] == 1 or rows.stride(1) == 1)
-        and slots.dtype == torch.int64
-    ):
-        # why native: destination rows prefetched ahead; index_copy_ waits on each
-        # random row's cache misses (a checkpoint load scatters 1.1 GB of rows).
-        native.scatter_rows(dest, slots.contiguous(), rows)
+    op = registered("scatter_rows", dest.device)
+    if op is None:
+        dest.index_copy_(0, slots, rows)
         return
-    dest.index_copy_(0, slots, rows)
+    op(dest, slots.to(torch.int64).contiguous(), rows)
 
 
 def init_rows(ids: torch.Tensor, dim: int, spec: InitSpec) -> torch.Tensor:
     """Initial rows ``[len(ids), dim]`` of ``ids`` by ``spec`` (``ops.hashing.init_rows``)."""
-    if (
-        not spec.normal
-        and native.use_native(ids.device)
-        and ids.dtype == torch.int64
-        and ids.dim() == 1
-    ):
-        # why native: the same bits without the [n, dim] int64 temporaries (~4x faster).
-        return native.init_uniform(ids.contiguous(), dim, spec.seed, spec.a, spec.b)
-    return hashing.init_rows(ids, dim, spec.seed, spec.normal, spec.a, spec.b)
+    op = registered("init_rows", ids.device)
+    if op is None or not _ids64(ids):
+        return hashing.init_rows(ids, dim, spec.seed, spec.normal, spec.a, spec.b)
+    return op(ids.contiguous(), dim, spec.seed, spec.normal, spec.a, spec.b)
 
 
 def insert(
@@ -180,24 +164,14 @@ def insert(
     keep_existing: bool,
 ) -> InsertResult:
     """Find-or-insert unique ``ids`` by the ranking rule (``contracts``), in place."""
-    if use_triton(ids.device):
-        from torchrec_kvemb.kernels import insert as kernel
-
-        return kernel.insert_triton(keys, scores, ids, values, accumulate, keep_existing)
-    if (
-        native.use_native(ids.device)
-        and keys.shape[1] == WAYS
-        and keys.is_contiguous()
-        and scores.is_contiguous()
-        and ids.dtype == torch.int64
-        and values.dtype == torch.int64
-    ):
-        # why native: the torch path ranks full buckets in ~40 tensor ops (~14 ms a
-        # step of the SSD-tier benchmark's demotions); the same bits in one pass.
-        return native.insert(
-            keys, scores, ids.contiguous(), values.contiguous(), accumulate, keep_existing
-        )
-    return insert_torch(keys, scores, ids, values, accumulate, keep_existing)
+    op = registered("insert", ids.device)
+    if op is None:
+        return insert_torch(keys, scores, ids, values, accumulate, keep_existing)
+    # why native on the CPU: the torch path ranks full buckets in ~40 tensor ops
+    # (~14 ms a step of the SSD-tier benchmark's demotions); the same bits in one pass.
+    ids = ids.to(torch.int64).contiguous()
+    values = values.to(scores.dtype).contiguous()
+    return InsertResult(*op(keys, scores, ids, values, accumulate, keep_existing))
 
 
 def block_bucketize_2d(
@@ -259,39 +233,21 @@ def block_bucketize_2d(
         batch_size_per_feature,
         max_batch_size,
     )
-    if use_triton(indices.device):
-        from torchrec_kvemb.kernels import block_bucketize as kernel
-
-        return kernel.block_bucketize_triton(inp)
-    if inp.indices.device.type == "cpu":
-        fast = bucketize_prepared_fbgemm(inp)
-        if fast is not None:
-            return fast
-    return bucketize_prepared_torch(inp)
+    op = registered("block_bucketize", indices.device)
+    if op is None:
+        return bucketize_prepared_torch(inp)
+    lengths, indices, weights, pos, permute = op(*inp)
+    return BucketizeResult(
+        lengths,
+        indices,
+        weights if inp.weights is not None else None,
+        pos if inp.bucketize_pos else None,
+        permute,
+    )
 
 
 # -------------------------------------------------------------- grouped ops
-def group_backend(device: torch.device, per_table_only: bool = False) -> str:
-    """The backend of a group's lookups: ``"triton"``, ``"native"``, or ``"torch"``
-    (the per-table path, which the group runs itself; also for a group that only
-    it can serve). The native lookup serves every row dtype, its backward float32
-    rows only (``group_fused_backward`` chooses)."""
-    if per_table_only:
-        return "torch"
-    if use_triton(device):
-        return "triton"
-    if native.use_native(device):
-        return "native"
-    return "torch"
-
-
-def workspace(backend: str) -> object | None:
-    """Scratch memory a group keeps for ``backend``'s calls (the native kernels')."""
-    return native.Workspace() if backend == "native" else None
-
-
 def group_lookup_train(
-    backend: str,
     layout: GroupLayout,
     storage: TableStorage,
     ids: torch.Tensor,
@@ -300,80 +256,38 @@ def group_lookup_train(
     metrics: torch.Tensor,
     custom_scores: torch.Tensor | None = None,
     use_custom: torch.Tensor | None = None,
-    scratch: object | None = None,
 ) -> GroupLookup:
-    """A group's training lookup on ``backend`` (see ``KVTableGroup.lookup_train``);
-    ``step [T]``: each table's clock for this batch; counters add to ``metrics``;
-    ``scratch``: the group's ``workspace``."""
-    s = storage
-    if backend == "native":
-        counter = None
-        if layout.has_admission:
-            counter = native.CounterIndex(s.counter_keys, s.counter_scores, s.counts)
-        out = native.lookup_train_group(
-            layout,
-            s.keys,
-            s.scores,
-            s.weights,
-            s.state,
-            ids,
-            table_idx,
-            step,
-            custom_scores,
-            use_custom,
-            counter,
-            num_threads=torch.get_num_threads(),
-            workspace=scratch,
-        )
-        metrics[:, : out.metrics.shape[1]] += out.metrics
-        return GroupLookup(out.slots, out.unique_index, out.unique_slots, out.unique_table)
-    from torchrec_kvemb.kernels import group_lookup as kernel
-
-    return kernel.group_lookup_train_triton(
-        layout,
-        s.keys,
-        s.scores,
-        s.weights,
-        s.state,
-        s.counter_keys,
-        s.counter_scores,
-        s.counts,
-        ids,
-        table_idx,
-        step,
-        metrics,
-        custom_scores,
-        use_custom,
-    )
+    """A group's training lookup by ``kvemb::lookup_train_group`` (see
+    ``KVTableGroup.lookup_train``; the torch path is the group's own, table by table):
+    ``step [T]``: each table's clock, advanced by one for this batch; counters add to
+    ``metrics``."""
+    op = registered("lookup_train_group", ids.device)
+    if op is None:
+        raise RuntimeError("group_lookup_train: the torch path looks a group up table by table")
+    out = op(
+        *storage, *layout.tensors(), layout.has_admission, layout.has_normal,
+        ids, table_idx, step, metrics, custom_scores, use_custom,
+    )  # fmt: skip
+    return GroupLookup(*out)
 
 
 def group_lookup_eval(
-    backend: str,
     layout: GroupLayout,
     storage: TableStorage,
     ids: torch.Tensor,
     table_idx: torch.Tensor,
     metrics: torch.Tensor,
 ) -> torch.Tensor:
-    """A group's evaluation lookup on ``backend`` (see ``KVTableGroup.lookup_eval``)."""
-    if backend == "native":
-        slots, hits = native.lookup_eval_group(
-            storage.keys,
-            layout.bucket_offset,
-            layout.num_buckets,
-            ids,
-            table_idx,
-            num_threads=torch.get_num_threads(),
-        )
-        T = layout.num_tables
-        seen = torch.zeros(T + 1, dtype=torch.int64)
-        seen.index_add_(0, torch.where(table_idx >= 0, table_idx, T), torch.ones_like(ids))
-        metrics[:, 0] += hits
-        metrics[:, 1] += seen[:T] - hits
-        return slots
-    from torchrec_kvemb.kernels import group_lookup as kernel
+    """A group's evaluation lookup by ``kvemb::lookup_eval_group`` (see
+    ``KVTableGroup.lookup_eval``); hits and misses add to ``metrics``."""
+    op = registered("lookup_eval_group", ids.device)
+    if op is None:
+        raise RuntimeError("group_lookup_eval: the torch path looks a group up table by table")
+    return op(storage.keys, layout.bucket_offset, layout.num_buckets, ids, table_idx, metrics)
 
-    return kernel.group_lookup_eval_triton(layout, storage.keys, ids, table_idx, metrics)
+
+def _init_tensors(layout: GroupLayout) -> tuple[torch.Tensor, ...]:
+    return layout.seed, layout.seed_mix, layout.init_normal, layout.init_a, layout.init_b
 
 
 def group_pooled_forward(
@@ -389,15 +303,15 @@ def group_pooled_forward(
     """Pooled rows ``[B, dim]`` of a group's batch (``ops.pooled_lookup.
     group_pooled_forward_torch`` states the result); only the rows of the bags in
     ``bag_list`` (the group's) are meaningful."""
-    if use_triton(slots.device):
-        from torchrec_kvemb.kernels import group_pooled as kernel
-
-        return kernel.group_pooled_forward_triton(
-            layout, weights, slots, ids, table_idx, bags, bag_list, missing_as_zero
+    op = registered("pooled_forward", slots.device)
+    if op is None:
+        return group_pooled_forward_torch(
+            weights, slots, ids, table_idx, bags, layout.init_specs, missing_as_zero
         )
-    return group_pooled_forward_torch(
-        weights, slots, ids, table_idx, bags, layout.init_specs, missing_as_zero
-    )
+    return op(
+        weights, slots, ids, table_idx, bags.offsets, bags.bag_of, bags.scale, bag_list,
+        *_init_tensors(layout), missing_as_zero,
+    )  # fmt: skip
 
 
 def group_rows_forward(
@@ -406,20 +320,16 @@ def group_rows_forward(
     slots: torch.Tensor,
     ids: torch.Tensor,
     table_idx: torch.Tensor,
-    bags: Bags,
     missing_as_zero: bool,
 ) -> torch.Tensor:
-    """One row per id ``[n, dim]`` of a group's batch whose every id is a bag of its
-    own (``bags``), unpooled: a sequence lookup's forward."""
-    if use_triton(slots.device):
-        from torchrec_kvemb.kernels import group_pooled as kernel
-
-        return kernel.group_pooled_forward_triton(
-            layout, weights, slots, ids, table_idx, bags, bags.bag_of, missing_as_zero
+    """One row per id ``[n, dim]`` of a group's batch, unpooled (ids of another
+    group's tables get zeros): a sequence lookup's forward."""
+    op = registered("rows_forward", slots.device)
+    if op is None:
+        return group_rows_forward_torch(
+            weights, slots, ids, table_idx, layout.init_specs, missing_as_zero
         )
-    return group_rows_forward_torch(
-        weights, slots, ids, table_idx, layout.init_specs, missing_as_zero
-    )
+    return op(weights, slots, ids, table_idx, *_init_tensors(layout), missing_as_zero)
 
 
 def group_fused_backward(
@@ -428,75 +338,50 @@ def group_fused_backward(
     lookup: GroupLookup,
     grad_out: torch.Tensor,
     bags: Bags,
-    scratch: object | None = None,
 ) -> None:
-    """Reduce ``grad_out [B, dim]`` per stored row of the group and apply one step of
-    each table's optimizer (``optim``), in place."""
-    grad_out = grad_out.to(torch.float32).contiguous()
-    slots = lookup.slots
-    config = optim.config
+    """Reduce ``grad_out [B, dim]`` (or ``[G, B, dim]``) per stored row of the group and
+    apply one step of each table's optimizer (``optim``), in place. A lookup made by
+    the registered ops (its unique rows given) is reduced by ``kvemb::fused_backward``,
+    one of the torch path by the torch path."""
     weights, state = storage.weights, storage.state
-    native_rows = weights.dtype == torch.float32  # the native backward's rows
-    if lookup.unique_index is not None and native_rows and native.use_native(slots.device):
-        native.fused_backward_group(
-            weights,
-            state,
-            grad_out,
-            bags.offsets,
-            lookup.unique_index,
-            lookup.unique_slots,
-            lookup.unique_table,
-            config,
-            learning_rate=[c.learning_rate for c in optim.configs],
-            optim_step=list(optim.steps),
-            per_sample_weights=bags.scale,
-            num_threads=torch.get_num_threads(),
-            workspace=scratch,
-        )
+    if lookup.unique_index is None:
+        _fused_backward_torch(weights, state, optim, lookup.slots, grad_out, bags)
         return
-    if use_triton(slots.device):
-        from torchrec_kvemb.kernels import group_pooled as kernel
+    op = registered("fused_backward", weights.device)
+    if op is None:
+        raise RuntimeError(
+            "group_fused_backward: a lookup of the registered ops under the torch path "
+            "(TORCHREC_KVEMB_BACKEND changed between forward and backward?)"
+        )
+    config = optim.config
+    grad = grad_out.to(torch.float32).contiguous()
+    op(
+        weights, state, grad, bags.offsets, bags.bag_of, bags.scale,
+        lookup.slots, lookup.unique_index, lookup.unique_slots, lookup.unique_table,
+        optim.learning_rates, optim.steps, config.kind.code,
+        config.eps, config.beta1, config.beta2, config.weight_decay,
+        int(config.weight_decay_mode), config.gradient_clipping, config.max_gradient,
+    )  # fmt: skip
 
-        decay = config.weight_decay
-        steps = optim.device_steps.to(torch.float64)
-        kernel.group_fused_backward_triton(
-            weights,
-            state,
-            grad_out,
-            slots,
-            optim.table_of(slots),
-            bags,
-            _OPTIM_CODES[config.kind],
-            optim.learning_rates,
-            (1.0 - config.beta1**steps).to(torch.float32),
-            (1.0 - config.beta2**steps).to(torch.float32),
-            config.eps,
-            config.beta1,
-            config.beta2,
-            decay,
-            bool(decay) and config.weight_decay_mode == WeightDecay.L2,
-            bool(decay) and config.weight_decay_mode == WeightDecay.DECOUPLE,
-            bool(config.gradient_clipping),
-            config.max_gradient,
-        )
-        return
-    lrs = {c.learning_rate for c in optim.configs}
-    if fbgemm_supports(config, weights) and len(lrs) == 1:
-        stored = slots >= 0
-        if bags.scale is None and bool(stored.all()):
-            fused_backward_fbgemm(grad_out, weights, state, slots, bags.offsets, None, config)
-            return
-        kept = torch.bincount(bags.bag_of[stored], minlength=bags.offsets.numel() - 1)
-        offsets = torch.zeros_like(bags.offsets)
-        torch.cumsum(kept, 0, out=offsets[1:])
-        scale = bags.scale[stored] if bags.scale is not None else None
-        fused_backward_fbgemm(grad_out, weights, state, slots[stored], offsets, scale, config)
-        return
-    uniq, grads = group_pooled_backward_torch(grad_out, slots, bags)
+
+def _fused_backward_torch(
+    weights: torch.Tensor,
+    state: torch.Tensor,
+    optim: GroupOptimizer,
+    slots: torch.Tensor,
+    grad_out: torch.Tensor,
+    bags: Bags,
+) -> None:
+    """The torch path of ``group_fused_backward``: the gradient of each stored row
+    (``ops/pooled_lookup.py``), then each table's optimizer step on its rows."""
+    grad = grad_out.to(torch.float32)
+    if grad.dim() == 3:  # [G, B, dim]: bag b at [b // B, b % B]
+        grad = grad.reshape(-1, grad.shape[2])
+    uniq, grads = group_pooled_backward_torch(grad.contiguous(), slots, bags)
     table = optim.table_of(uniq)
-    for t, (table_config, step) in enumerate(zip(optim.configs, optim.steps, strict=True)):
+    steps = optim.steps.add_(1).tolist()
+    rates = optim.learning_rates.tolist()
+    for t, config in enumerate(optim.configs):
         mine = (table == t).nonzero().squeeze(1)
-        optimizer_update_torch(weights, state, uniq[mine], grads[mine], table_config, step)
-
-
-_OPTIM_CODES = {OptimKind.SGD: 0, OptimKind.ROWWISE_ADAGRAD: 1, OptimKind.ADAM: 2}
+        config = config.with_learning_rate(rates[t])
+        optimizer_update_torch(weights, state, uniq[mine], grads[mine], config, steps[t])

@@ -29,37 +29,25 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from torchrec_kvemb import dispatch
-from torchrec_kvemb.contracts import Bags, GroupLayout, GroupLookup, GroupOptimizer, TableStorage
+from torchrec_kvemb.backend import implementation
+from torchrec_kvemb.contracts import (
+    METRIC_NAMES,
+    Bags,
+    GroupLayout,
+    GroupLookup,
+    GroupOptimizer,
+    TableStorage,
+)
 from torchrec_kvemb.memory import table_memory
-from torchrec_kvemb.ops import native
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import WAYS, KVTableOptions
 from torchrec_kvemb.ssd.scratch import ScratchPad
-from torchrec_kvemb.table import METRIC_NAMES, KVTable
+from torchrec_kvemb.table import KVTable
 from torchrec_kvemb.tiered_lookup import lookup_train_tiers
-
-
-@dataclass
-class _Clock:
-    """Per-table counters the kernels read from a device tensor, mirrored on the host
-    (the host values are the truth; the device copy is refreshed only when they
-    changed otherwise than by one step)."""
-
-    values: torch.Tensor
-    host: list[int] = field(default_factory=list)
-
-    def advance(self, now: list[int]) -> torch.Tensor:
-        if now == [v + 1 for v in self.host]:
-            self.values.add_(1)
-        elif now != self.host:
-            self.values.copy_(torch.tensor(now, dtype=torch.int64))
-        self.host = now
-        return self.values
 
 
 class KVTableGroup:
@@ -158,13 +146,15 @@ class KVTableGroup:
         self._row_ends = self.metrics.new_tensor(
             [start + t.capacity for start, t in zip(self.row_offsets, tables, strict=True)]
         )
-        self._rates_host: list[float] = []
-        self._workspaces: dict[str, object | None] = {}
-        self._rates = torch.empty(0)
-        self._steps = _Clock(self.metrics.new_tensor([t.step for t in tables]))
-        self._optim_steps = _Clock(self.metrics.new_tensor([t.optim_step for t in tables]))
-        self._steps.host = [t.step for t in tables]
-        self._optim_steps.host = [t.optim_step for t in tables]
+        #: Every table's clocks ``[2, T]`` (training lookups, optimizer steps; see
+        #: ``KVTable.clock``): each table's are a column of these, which the group's
+        #: ops advance in place.
+        self.clocks = tables[0].clock.unsqueeze(1)
+        if len(tables) > 1:
+            self.clocks = torch.stack([t.clock for t in tables], dim=1)
+            for t, table in enumerate(tables):
+                table.clock = self.clocks[:, t]
+        self._rates: tuple[list[float], torch.Tensor] | None = None
 
     # ----------------------------------------------------------------- shape
     @property
@@ -188,13 +178,12 @@ class KVTableGroup:
         return [t.learning_rate for t in self.tables]
 
     def learning_rate_tensor(self) -> torch.Tensor:
-        """Each table's learning rate ``[T]`` float32 on the device (copied to the device
+        """Each table's learning rate ``[T]`` float64 on the group's device (made anew
         only when a rate changed)."""
         rates = self.learning_rates()
-        if rates != self._rates_host:
-            self._rates = torch.tensor(rates, dtype=torch.float32, device=self.device)
-            self._rates_host = rates
-        return self._rates
+        if self._rates is None or self._rates[0] != rates:
+            self._rates = (rates, torch.tensor(rates, dtype=torch.float64, device=self.device))
+        return self._rates[1]
 
     # ------------------------------------------------------------- lookups
     def lookup_train(
@@ -210,33 +199,23 @@ class KVTableGroup:
         (default: all of them)."""
         if self.pad is not None:
             self._begin_tiered_batch()
-        backend = self.backend(ids.device)
-        if backend == "torch":
+        if self.per_table_only or self.backend(ids.device) == "torch":
             return self.lookup_train_per_table(ids, table_idx, custom_scores, custom_tables)
         if self.pad is not None:  # tables with SSD tiers: one native pass (tiered_lookup)
             if custom_scores is not None and custom_tables is None:
                 custom_tables = [True] * self.num_tables
             return lookup_train_tiers(
                 self.tables, self.layout, self.storage, self.row_offsets, ids, table_idx,
-                custom_scores, custom_tables, self._scratch(backend),
+                custom_scores, custom_tables, self.clocks[0],
             )  # fmt: skip
-        step = self.advance_clocks()
         use_custom = None
         if custom_scores is not None:
             flags = [True] * self.num_tables if custom_tables is None else list(custom_tables)
             use_custom = torch.tensor(flags, dtype=torch.int64, device=ids.device)
         return dispatch.group_lookup_train(
-            backend,
-            self.layout,
-            self.storage,
-            ids,
-            table_idx,
-            step,
-            self.metrics,
-            custom_scores,
-            use_custom,
-            self._scratch(backend),
-        )
+            self.layout, self.storage, ids, table_idx, self.clocks[0], self.metrics,
+            custom_scores, use_custom,
+        )  # fmt: skip
 
     def _begin_tiered_batch(self) -> None:
         """Every table writes its scratch rows of the last batch back; the pad starts
@@ -246,29 +225,23 @@ class KVTableGroup:
         self.pad.begin_batch()
 
     def backend(self, device: torch.device) -> str:
-        """The backend of this group's lookups on ``device`` (``dispatch.group_backend``;
-        tables with SSD tiers: the native kernel, else the torch path)."""
-        if self.pad is not None:
-            return "native" if native.use_native(device) else "torch"
-        return dispatch.group_backend(device, self.per_table_only)
-
-    def _scratch(self, backend: str) -> object | None:
-        """The group's scratch memory for ``backend`` (made on first use)."""
-        if backend not in self._workspaces:
-            self._workspaces[backend] = dispatch.workspace(backend)
-        return self._workspaces[backend]
+        """What looks this group up on ``device``: ``backend.implementation``'s answer
+        (``"native"``, ``"triton"``: the registered ops; ``"torch"``: table by table);
+        tables with SSD tiers have no Triton path (``"torch"`` there), and a lone
+        table's group runs that table's own lookup (``KVTable.lookup_backend``)."""
+        if self.per_table_only:
+            return self.tables[0].lookup_backend(device)
+        impl = implementation(device)
+        return "torch" if self.pad is not None and impl == "triton" else impl
 
     def lookup_eval(self, ids: torch.Tensor, table_idx: torch.Tensor) -> torch.Tensor:
         """Global slots of an evaluation batch (read-only); -1 for ids not stored."""
         if self.pad is not None:
             self._begin_tiered_batch()
             return self.lookup_eval_per_table(ids, table_idx)
-        backend = self.backend(ids.device)
-        if backend == "torch":
+        if self.per_table_only or self.backend(ids.device) == "torch":
             return self.lookup_eval_per_table(ids, table_idx)
-        return dispatch.group_lookup_eval(
-            backend, self.layout, self.storage, ids, table_idx, self.metrics
-        )
+        return dispatch.group_lookup_eval(self.layout, self.storage, ids, table_idx, self.metrics)
 
     def pooled_forward(
         self,
@@ -296,24 +269,30 @@ class KVTableGroup:
         """One row per id ``[n, dim]`` of a batch whose every id is a bag of its own
         (ids of another group's tables get zeros): a sequence lookup's forward."""
         return dispatch.group_rows_forward(
-            self.layout, self.weights, slots, ids, table_idx, bags, missing_as_zero
+            self.layout, self.weights, slots, ids, table_idx, missing_as_zero
         )
 
-    def fused_backward(self, lookup: GroupLookup, grad_out: torch.Tensor, bags: Bags) -> None:
-        """One optimizer step of every table from the gradient of its pooled rows."""
-        steps = self.advance_optimizer_steps()
+    def fused_backward(
+        self,
+        lookup: GroupLookup,
+        grad_out: torch.Tensor,
+        bags: Bags,
+        learning_rates: torch.Tensor | None = None,
+    ) -> None:
+        """One optimizer step of every table from the gradient of its pooled rows
+        (``learning_rates``: ``learning_rate_tensor()`` as the forward saw it)."""
+        if learning_rates is None:
+            learning_rates = self.learning_rate_tensor()
         optim = GroupOptimizer(
             configs=tuple(t.optim for t in self.tables),
-            steps=tuple(t.optim_step for t in self.tables),
-            device_steps=steps,
-            learning_rates=self.learning_rate_tensor(),
+            learning_rates=learning_rates,
+            steps=self.clocks[1],
             row_offsets=tuple(self.row_offsets),
             rows=self._row_counts(),
             row_ends=self._row_ends,
             pad_tables=self.pad.row_table if self.pad is not None else None,
         )
-        scratch = self._scratch(self.backend(grad_out.device))
-        dispatch.group_fused_backward(self.storage, optim, lookup, grad_out, bags, scratch)
+        dispatch.group_fused_backward(self.storage, optim, lookup, grad_out, bags)
 
     def _row_counts(self) -> tuple[int, ...]:
         """Rows each table's slots may address: its capacity (a group of one table
@@ -321,20 +300,6 @@ class KVTableGroup:
         if self.per_table_only:
             return (self.storage.weights.shape[0],)
         return tuple(t.capacity for t in self.tables)
-
-    def advance_clocks(self) -> torch.Tensor:
-        """Advance every table's training clock (the LRU step) by one, as a lookup
-        does; the per-table clocks ``[T]`` on the device."""
-        for table in self.tables:
-            table.step += 1
-        return self._steps.advance([t.step for t in self.tables])
-
-    def advance_optimizer_steps(self) -> torch.Tensor:
-        """Advance every table's optimizer step by one, as a backward does; the
-        per-table steps ``[T]`` on the device."""
-        for table in self.tables:
-            table.optim_step += 1
-        return self._optim_steps.advance([t.optim_step for t in self.tables])
 
     # ------------------------------------------------------ torch reference
     def lookup_train_per_table(

@@ -28,13 +28,14 @@ class GroupPooledLookup(torch.autograd.Function):
         ctx.group = group
         ctx.lookup = lookup
         ctx.bags = bags
+        ctx.learning_rates = group.learning_rate_tensor()
         if bag_list is None:  # every id a bag of its own: its row, unpooled
             return group.rows_forward(lookup.slots, ids, table_idx, bags, False)
         return group.pooled_forward(lookup.slots, ids, table_idx, bags, bag_list, False)
 
     @staticmethod
     def backward(ctx, grad_out):
-        ctx.group.fused_backward(ctx.lookup, grad_out, ctx.bags)
+        ctx.group.fused_backward(ctx.lookup, grad_out, ctx.bags, ctx.learning_rates)
         return (None,) * 7
 
 

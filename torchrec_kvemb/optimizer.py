@@ -32,9 +32,35 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 
 class OptimKind(enum.Enum):
+    """A fused optimizer. ``code``: its number in every kernel (the Triton
+    constexprs of ``kernels/group_pooled.py``, ``KvOptim`` in
+    ``csrc/kvemb_native.h``, which a test checks against this class)."""
+
     SGD = "sgd"
     ROWWISE_ADAGRAD = "rowwise_adagrad"
     ADAM = "adam"
+
+    @property
+    def code(self) -> int:
+        return _CODES[self]
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """Its state blocks in row order (each one float, or ``dim`` floats)."""
+        return _STATE_NAMES[self]
+
+
+_CODES = {OptimKind.SGD: 0, OptimKind.ROWWISE_ADAGRAD: 1, OptimKind.ADAM: 2}
+#: Each kind's state blocks, in the order they sit in a row's state columns.
+_STATE_NAMES = {
+    OptimKind.SGD: (),
+    OptimKind.ROWWISE_ADAGRAD: ("momentum1",),
+    OptimKind.ADAM: ("exp_avg", "exp_avg_sq"),
+}
+#: Floats per row of each named state block: one, or ``dim`` (``STATE_PER_COLUMN``).
+STATE_PER_COLUMN = frozenset({"exp_avg", "exp_avg_sq"})
+#: Every state name any optimizer keeps.
+STATE_NAMES = tuple(dict.fromkeys(n for names in _STATE_NAMES.values() for n in names))
 
 
 class WeightDecay(enum.IntEnum):
@@ -140,12 +166,19 @@ class FusedOptimConfig:
 
     def state_names(self) -> list[str]:
         """Names of the state tensors in exports and state_dicts."""
-        return list(_STATE_NAMES[self.kind])
+        return list(self.kind.state_names)
 
     def state_shapes(self, dim: int) -> dict[str, tuple[int, ...]]:
         """Each named state tensor's shape per row: ``()`` (one float) or ``(dim,)``."""
-        per_row = {"momentum1": (), "exp_avg": (dim,), "exp_avg_sq": (dim,)}
-        return {name: per_row[name] for name in _STATE_NAMES[self.kind]}
+        return {n: (dim,) if n in STATE_PER_COLUMN else () for n in self.kind.state_names}
+
+    def state_columns(self, dim: int) -> dict[str, int]:
+        """The first state column of each named state tensor in a row's state."""
+        out, start = {}, 0
+        for name, shape in self.state_shapes(dim).items():
+            out[name] = start
+            start += math.prod(shape)
+        return out
 
     def split_state(self, state: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
         """The named state tensors (views) of state rows ``[n, state_dim]``."""
@@ -163,10 +196,3 @@ class FusedOptimConfig:
         if not shapes:
             return None
         return torch.cat([named[n].reshape(-1, math.prod(s)) for n, s in shapes.items()], dim=1)
-
-
-_STATE_NAMES = {
-    OptimKind.SGD: (),
-    OptimKind.ROWWISE_ADAGRAD: ("momentum1",),
-    OptimKind.ADAM: ("exp_avg", "exp_avg_sq"),
-}

@@ -19,6 +19,7 @@ import torch
 
 from torchrec_kvemb import dispatch
 from torchrec_kvemb.contracts import (
+    METRIC_NAMES,
     GroupLookup,
     InitSpec,
     InsertResult,
@@ -35,19 +36,11 @@ from torchrec_kvemb.validation import KVInputError, check_ids, check_rows
 
 __all__ = ["KVTable", "TableStorage", "bytes_per_row", "resolve_capacity"]
 
-#: Counters every table keeps (``metrics()``); a tiered table adds its tier's.
-METRIC_NAMES = (
-    "hits",
-    "misses",
-    "inserts",
-    "evictions",
-    "admission_rejects",
-    "insert_failures",
-    "ssd_hits",
-    "ssd_misses",
-    "promotions",
-    "demotions",
-)
+
+def clock_device(device: torch.device) -> torch.device:
+    """Where a table's clocks live: its device (the kernels read them there), the CPU
+    for a table on ``meta`` (which holds no rows, but counts its steps)."""
+    return torch.device("cpu") if device.type == "meta" else device
 
 
 def max_per_unique(
@@ -144,11 +137,33 @@ class KVTable:
             BucketIndex(storage.counter_keys, storage.counter_scores) if counted else None
         )
         self.counts = storage.counts if counted else None
-        self.step = 0  # training lookups so far: the LRU clock
-        self.optim_step = 0  # optimizer steps so far: Adam's bias correction
+        #: The table's clocks ``[2]`` int64: training lookups so far (the LRU clock) and
+        #: optimizer steps so far (Adam's bias correction). The one place they live: a
+        #: group's tables hold views of the group's ``clocks [2, T]``, which its ops
+        #: advance (``KVTableGroup``); ``step`` and ``optim_step`` read and set them.
+        self.clock = torch.zeros(2, dtype=torch.int64, device=clock_device(self.device))
         self._metrics = dict.fromkeys(METRIC_NAMES, 0)
         #: Counters a grouped lookup adds on the device (``METRIC_NAMES`` order), or None.
         self.device_metrics: torch.Tensor | None = None
+
+    # ----------------------------------------------------------------- clocks
+    @property
+    def step(self) -> int:
+        """Training lookups so far: the LRU clock, a new row's score."""
+        return int(self.clock[0])
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.clock[0] = int(value)
+
+    @property
+    def optim_step(self) -> int:
+        """Optimizer steps so far (Adam's bias correction)."""
+        return int(self.clock[1])
+
+    @optim_step.setter
+    def optim_step(self, value: int) -> None:
+        self.clock[1] = int(value)
 
     # ----------------------------------------------------------------- views
     @property
@@ -393,6 +408,11 @@ class KVTable:
         the slots, and (where the lookup made them) each id's unique row, for the
         native fused backward."""
         return GroupLookup(self.lookup_train(ids, custom_scores))
+
+    def lookup_backend(self, device: torch.device | str) -> str:
+        """What runs this table's own lookups (``lookup_train``, ``lookup_eval``): the
+        torch path, table by table (a group of tables runs the registered ops)."""
+        return "torch"
 
     def lookup_eval(self, ids: torch.Tensor) -> torch.Tensor:
         """Slots for an evaluation batch (read-only); -1 for ids not stored."""

@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import torch
 
+from torchrec_kvemb.backend import implementation
 from torchrec_kvemb.contracts import GroupLayout, GroupLookup, InsertResult, TableStorage
-from torchrec_kvemb.ops import native
 from torchrec_kvemb.ops.hashing import INT64_MAX, route_bucket
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import WAYS, EvictionPolicy, KVTableOptions
@@ -92,7 +92,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
             )
         rank = default_rank() if rank is None else rank
         self._pad = pad or ScratchPad(self.weights, self.state).for_table(0, 0)
-        self._native: tuple[GroupLayout, TableStorage, native.Workspace] | None = None
+        self._native: tuple[GroupLayout, TableStorage] | None = None
         self._store = SSDStore(name, dim, self.state_dim, ssd, rank)
         try:
             self._restore()
@@ -154,7 +154,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
         a row, or new and admitted, that finds no memory row gets a scratch row.
         On the CPU with the native kernels: one find-or-insert pass for the whole
         batch (``_lookup_train_native``), the same outcome."""
-        if self._native_path(ids):
+        if self.lookup_backend(ids.device) == "native":
             return self._lookup_train_native(ids, custom_scores).slots
         self._begin_batch()
         uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
@@ -201,14 +201,15 @@ class TieredKVTable(KVTable, serves_ssd=True):
         """``lookup_train`` with each id's unique row (scratch rows included) where
         the native kernel looked the batch up: the native fused backward then reduces
         over them without sorting the slots."""
-        if self._native_path(ids):
+        if self.lookup_backend(ids.device) == "native":
             return self._lookup_train_native(ids, custom_scores)
         return GroupLookup(self.lookup_train(ids, custom_scores))
 
-    @staticmethod
-    def _native_path(ids: torch.Tensor) -> bool:
-        """Whether a training lookup of ``ids`` runs the native kernel."""
-        return native.use_native(ids.device) and ids.dtype == torch.int64
+    def lookup_backend(self, device: torch.device | str) -> str:
+        """What runs this table's training lookup: the native kernel where
+        ``backend.implementation`` says ``"native"`` (one pass over both tiers,
+        ``tiered_lookup``), else the torch path (no Triton path over an SSD tier)."""
+        return "native" if implementation(device) == "native" else "torch"
 
     def _lookup_train_native(
         self, ids: torch.Tensor, custom_scores: torch.Tensor | None
@@ -218,7 +219,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
         promotions; evicted rows are demoted before promoted and new rows take
         their slots)."""
         self._begin_batch()
-        layout, storage, workspace = self._native_group()
+        layout, storage = self._native_group()
         return lookup_train_tiers(
             [self],
             layout,
@@ -228,16 +229,16 @@ class TieredKVTable(KVTable, serves_ssd=True):
             torch.zeros_like(ids),
             custom_scores,
             None if custom_scores is None else [True],
-            workspace,
+            self.clock[0:1],
         )
 
-    def _native_group(self) -> tuple[GroupLayout, TableStorage, native.Workspace]:
-        """This table as a group of one for the native kernel: its layout, arrays and
-        workspace (built once; the arrays grow in place with the scratch pad)."""
+    def _native_group(self) -> tuple[GroupLayout, TableStorage]:
+        """This table as a group of one for the native kernel: its layout and arrays
+        (built once; the arrays grow in place with the scratch pad)."""
         if self._native is None:
             counted = self.counts.numel() if self.counts is not None else 0
             layout = GroupLayout.build([self.capacity // WAYS], [counted // WAYS], [self.options])
-            self._native = (layout, self.storage(), native.Workspace())
+            self._native = (layout, self.storage())
         return self._native
 
     def lookup_eval(self, ids: torch.Tensor) -> torch.Tensor:

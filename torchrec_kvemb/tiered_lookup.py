@@ -23,7 +23,7 @@ table by table) is the reference this is tested against
 Example::
 
     out = lookup_train_tiers(tables, layout, storage, [0, 1000], ids, table_idx,
-                             None, None, workspace)   # a GroupLookup, global slots
+                             None, None, group.clocks[0])   # a GroupLookup, global slots
 """
 
 from __future__ import annotations
@@ -36,7 +36,14 @@ from typing import TypeVar
 import torch
 
 from torchrec_kvemb import dispatch
-from torchrec_kvemb.contracts import GroupLayout, GroupLookup, TableStorage
+from torchrec_kvemb.contracts import (
+    KERNEL_METRICS,
+    METRIC_NAMES,
+    GroupLayout,
+    GroupLookup,
+    TableStorage,
+)
+from torchrec_kvemb.library.group_ops import workspace
 from torchrec_kvemb.ops import native
 from torchrec_kvemb.table import KVTable
 
@@ -89,7 +96,7 @@ def lookup_train_tiers(
     table_idx: torch.Tensor,
     custom_scores: torch.Tensor | None,
     custom_tables: Sequence[bool] | None,
-    workspace: native.Workspace | None,
+    steps: torch.Tensor,
 ) -> GroupLookup:
     """``lookup_train`` of ``tables`` (``TieredKVTable``s, sharing ``storage``: table
     ``t``'s rows from ``row_offsets[t]`` on) for ``ids`` with ``table_idx`` (-1: not
@@ -105,8 +112,7 @@ def lookup_train_tiers(
         return fetched
 
     fetched = _per_table(fetch, T)
-    for table in tables:
-        table.step += 1
+    steps.add_(1)  # every table's clock (``KVTable.clock``: ``steps`` is their row)
     counter = None
     if layout.has_admission:
         counter = native.CounterIndex(storage.counter_keys, storage.counter_scores, storage.counts)
@@ -123,11 +129,11 @@ def lookup_train_tiers(
         storage.state[:rows],
         ids,
         table_idx,
-        [t.step for t in tables],
+        steps,
         custom_scores,
         custom_tables,
         counter,
-        workspace=workspace,
+        workspace=workspace(),
         tier=native.TierPromotion(
             torch.cat([f.ids for f in fetched]),
             torch.cat([f.scores for f in fetched]),
@@ -158,7 +164,7 @@ def lookup_train_tiers(
         (None: none)."""
         table, f, offset = tables[t], fetched[t], row_offsets[t]
         mine = owner == t if T > 1 else torch.ones_like(from_ssd)
-        for name, value in zip(native.METRIC_NAMES, metrics[t], strict=True):
+        for name, value in zip(METRIC_NAMES[:KERNEL_METRICS], metrics[t], strict=True):
             table.count(name, value)
         table.count("ssd_hits", promoted_occ[t])
         table.count("ssd_misses", metrics[t][1] - promoted_occ[t])

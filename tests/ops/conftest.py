@@ -6,7 +6,7 @@ import platform
 
 import pytest
 
-from torchrec_kvemb.ops import native
+from torchrec_kvemb import native_lib
 
 #: Builds a native test runs on: the portable one, and the AVX2 one on x86-64.
 BUILDS = ["portable", "avx2"] if platform.machine().lower() in ("x86_64", "amd64") else ["portable"]
@@ -15,11 +15,11 @@ BUILDS = ["portable", "avx2"] if platform.machine().lower() in ("x86_64", "amd64
 @pytest.fixture(params=BUILDS)
 def native_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run the test on one build of the library (it must be built: no skip)."""
-    assert native.available(), f"native library not built: {native.unavailable_reason()}"
-    lib, reason = native.load_variant(request.param)
-    if request.param == "avx2" and not native.load_variant("portable")[0].kv_cpu_has_avx2():
+    assert native_lib.available(), f"native library not built: {native_lib.unavailable_reason()}"
+    lib, reason = native_lib.load_variant(request.param)
+    if request.param == "avx2" and not native_lib.load_variant("portable")[0].kv_cpu_has_avx2():
         pytest.skip("this CPU has no AVX2")
     assert lib is not None, f"{request.param} build missing: {reason}"
-    monkeypatch.setattr(native, "_load", lambda: (lib, None))
-    assert native.variant() == request.param
+    monkeypatch.setattr(native_lib, "load", lambda: (lib, None))
+    assert native_lib.variant() == request.param
     return request.param

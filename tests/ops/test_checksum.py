@@ -9,6 +9,7 @@ import zlib
 
 import pytest
 
+from torchrec_kvemb import native_lib
 from torchrec_kvemb.ops import checksum, native
 
 LENGTHS = [*range(0, 300), 1023, 4095, 4096, 65537, 1 << 20]
@@ -21,7 +22,7 @@ def data() -> bytearray:
 
 
 def test_native_kernel_equals_zlib(native_build, data):
-    assert native.crc32_folds() == (native.load_variant("portable")[0].kv_crc32_folds() == 1)
+    assert native.crc32_folds() == (native_lib.load_variant("portable")[0].kv_crc32_folds() == 1)
     base = ctypes.addressof((ctypes.c_char * len(data)).from_buffer(data))
     view = memoryview(data)
     wrong = [

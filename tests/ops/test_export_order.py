@@ -7,7 +7,7 @@ path itself sorts by routing bucket, then id; a stale count is refused."""
 import pytest
 import torch
 
-from torchrec_kvemb import dispatch
+from torchrec_kvemb import dispatch, native_lib
 from torchrec_kvemb.contracts import ROUTE_SALT
 from torchrec_kvemb.ops import native
 from torchrec_kvemb.ops.export_order import export_order_torch
@@ -68,7 +68,7 @@ def test_a_stale_count_is_refused(native_build):
     n = int((keys >= 0).sum())
     out = [torch.empty(n + 1, dtype=torch.int64) for _ in range(2)]
     counts = torch.empty(5, dtype=torch.int64)
-    lib = native.load_variant(native_build)[0]
+    lib = native_lib.load_variant(native_build)[0]
     status = lib.kv_export_order(
         keys.data_ptr(), keys.numel(), ROUTE_SALT, 5, n + 1, out[0].data_ptr(),
         out[1].data_ptr(), counts.data_ptr(),

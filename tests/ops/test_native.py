@@ -21,7 +21,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from torchrec_kvemb.contracts import Bags, GroupLayout, InitSpec
+from torchrec_kvemb import native_lib
+from torchrec_kvemb.backend import implementation
+from torchrec_kvemb.contracts import KERNEL_METRICS, METRIC_NAMES, Bags, GroupLayout, InitSpec
+from torchrec_kvemb.group import KVTableGroup
 from torchrec_kvemb.ops import native
 from torchrec_kvemb.ops.hashing import INT64_MAX, index_bucket, init_rows
 from torchrec_kvemb.ops.insert import insert_torch
@@ -242,7 +245,7 @@ def train_both(group: Group, batch: Batch, num_threads: int, gen: torch.Generato
         before = table.metrics()
         expected[t] = table.lookup_train(batch.ids[t], batch.custom[t])
         after = table.metrics()
-        deltas[t] = [after[m] - before[m] for m in native.METRIC_NAMES]
+        deltas[t] = [after[m] - before[m] for m in METRIC_NAMES[:KERNEL_METRICS]]
 
     ids, table_idx, custom, within = batch.flat(gen)
     out = native.lookup_train_group(
@@ -286,8 +289,10 @@ def check_lookup(group, batch, ids, table_idx, within, out, expected, deltas, ke
             f"table {t} ({group.tables[t].options.eviction.name}): slots differ\n"
             f"ids {batch.ids[t].tolist()}\nnative {local.tolist()}\ntorch  {expected[t].tolist()}"
         )
-        metrics = dict(zip(native.METRIC_NAMES, out.metrics[t].tolist()))
-        assert metrics == dict(zip(native.METRIC_NAMES, deltas[t])), f"table {t}: metrics differ"
+        metrics = dict(zip(METRIC_NAMES[:KERNEL_METRICS], out.metrics[t].tolist()))
+        assert metrics == dict(zip(METRIC_NAMES[:KERNEL_METRICS], deltas[t])), (
+            f"table {t}: metrics differ"
+        )
 
     # Uniques: one per (table, id), consistent with the occurrences.
     mine = ~foreign
@@ -662,23 +667,33 @@ def test_bad_table_index_and_tensors_are_refused() -> None:
 def test_fallback_when_the_library_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the library (no compiler at install) nothing native runs, the
     ops say why, and KV tables keep working on the torch path."""
-    monkeypatch.setattr(native, "_load", lambda: (None, "forced by a test"))
-    assert not native.available()
-    assert native.unavailable_reason() == "forced by a test"
-    assert not native.use_native("cpu")
+    monkeypatch.setattr(native_lib, "load", lambda: (None, "forced by a test"))
+    assert not native_lib.available()
+    assert native_lib.unavailable_reason() == "forced by a test"
+    assert implementation("cpu") == "torch"
     with pytest.raises(native.NativeOpError, match="forced by a test"):
         native.index_bucket(torch.tensor([1]), 3)
+    with pytest.raises(native.NativeOpError, match="forced by a test"):
+        torch.ops.kvemb.index_bucket(torch.tensor([1]), 3)
     table = KVTable("t", 4, KVTableOptions(capacity=32))
     slots = table.lookup_train(torch.tensor([5, 6, 5]))
     assert slots[0] == slots[2] and bool((slots >= 0).all())
+    group = KVTableGroup(["a", "b"], [KVTableOptions(capacity=32)] * 2, dim=4)
+    assert group.backend(torch.device("cpu")) == "torch"
+    slots = group.lookup_train(torch.tensor([5, 6, 5]), torch.tensor([0, 1, 0]))
+    assert slots.unique_index is None, "the torch path looked the group up"
+    assert slots.slots[0] == slots.slots[2] and bool((slots.slots >= 0).all())
 
 
-def test_use_native_follows_the_backend_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_implementation_follows_the_backend_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCHREC_KVEMB_BACKEND", "torch")
-    assert not native.use_native("cpu")
+    assert implementation("cpu") == "torch"
+    monkeypatch.setenv("TORCHREC_KVEMB_BACKEND", "triton")
+    assert implementation("cpu") == "triton"
     monkeypatch.setenv("TORCHREC_KVEMB_BACKEND", "auto")
-    assert native.use_native("cpu")
-    assert not native.use_native("meta")
+    assert implementation("cpu") == "native"
+    assert implementation("cuda") == "triton"
+    assert implementation("meta") == "torch"
 
 
 # ---------------------------------------------------------------- workspace

@@ -25,15 +25,15 @@ SOURCES = ("pyproject.toml", "setup.py", "README.md", "csrc", "torchrec_kvemb", 
 
 CHECK = """
 import torch, torchrec_kvemb
-from torchrec_kvemb.ops import native
+from torchrec_kvemb import native_lib
 from torchrec_kvemb.table import KVTable
 from torchrec_kvemb.options import KVTableOptions
 assert torchrec_kvemb.__file__.startswith({site!r}), torchrec_kvemb.__file__
 slots = KVTable("t", 4, KVTableOptions(capacity=32)).lookup_train(torch.tensor([5, 6, 5]))
 assert slots[0] == slots[2] >= 0
-print("available", native.available(), native.unavailable_reason())
-built = [v for v in native.VARIANTS if native.library_path(v)]
-print("avx2 code per build", [native.load_variant(v)[0].kv_build_has_avx2() for v in built])
+print("available", native_lib.available(), native_lib.unavailable_reason())
+built = [v for v in native_lib.VARIANTS if native_lib.library_path(v)]
+print("avx2 code per build", [native_lib.load_variant(v)[0].kv_build_has_avx2() for v in built])
 """
 
 

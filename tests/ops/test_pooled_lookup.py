@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import fbgemm_gpu.split_table_batched_embeddings_ops_training  # noqa: F401  (the fbgemm CPU ops)
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,8 +20,6 @@ import torch.nn.functional as F
 from torchrec_kvemb.contracts import INT64_MAX, Bags, InitSpec
 from torchrec_kvemb.ops.hashing import init_rows
 from torchrec_kvemb.ops.optimizer_update import (
-    fbgemm_supports,
-    fused_backward_fbgemm,
     optimizer_update_torch,
 )
 from torchrec_kvemb.ops.pooled_lookup import (
@@ -329,7 +328,6 @@ def test_fbgemm_fused_backward_matches_reference(
     spec = LAYOUTS[layout]
     config = FusedOptimConfig(kind=kind, learning_rate=0.1, weight_decay_mode=WeightDecay.NONE)
     b = make_batch(spec, dim, seed=3, weighted=weighted)
-    assert fbgemm_supports(config, b.weights)
     mean = mean_of(pooling, len(LENGTHS))
     bags = bags_of(b, mean)
     state = torch.rand(spec.capacity, config.state_dim(dim))
@@ -367,3 +365,52 @@ def test_fbgemm_fused_backward_mean_pooling_mode(kind: OptimKind) -> None:
     fused_backward_fbgemm(grad_out, fb_weights, fb_state, b.slots, b.offsets, None, config, True)
     close(fb_weights, b.weights, "weights")
     close(fb_state, state, "optimizer state")
+
+
+def fused_backward_fbgemm(
+    grad_out: torch.Tensor,
+    weights: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    offsets: torch.Tensor,
+    scale: torch.Tensor | None,
+    config: FusedOptimConfig,
+    mean: bool = False,
+) -> None:
+    """Gradient reduction and optimizer update by fbgemm's CPU TBE backward, in place:
+    the outside reference the torch path is held to (SGD and row-wise Adagrad).
+
+    ``slots`` holds only stored rows (no -1); ``offsets`` its bags; ``scale`` the
+    per-id multiplier (sample weight, / length for mean pooling), or ``None``
+    for unweighted bags pooled by sum, or by mean when ``mean``.
+    """
+    capacity, dim = weights.shape
+    i32 = dict(dtype=torch.int32)
+    i64 = dict(dtype=torch.int64)
+    common = dict(
+        grad_output=grad_out.contiguous(),
+        host_weights=weights.view(-1),
+        weights_placements=torch.zeros(1, **i32),
+        weights_offsets=torch.zeros(1, **i64),
+        D_offsets=torch.tensor([0, dim], **i32),
+        max_D=dim,
+        hash_size_cumsum=torch.tensor([0, capacity], **i64),
+        total_hash_size_bits=max(1, int(capacity).bit_length()),
+        indices=slots,
+        offsets=offsets,
+        # With a scale, SUM: a mean's 1/length is in the scale.
+        pooling_mode=1 if (mean and scale is None) else 0,
+        indice_weights=torch.empty(0) if scale is None else scale.to(torch.float32),
+        stochastic_rounding=False,
+        learning_rate_tensor=torch.tensor(config.learning_rate, dtype=torch.float32),
+    )
+    if config.kind == OptimKind.SGD:
+        torch.ops.fbgemm.split_embedding_backward_codegen_sgd_cpu(**common)
+    else:
+        torch.ops.fbgemm.split_embedding_backward_codegen_rowwise_adagrad_cpu(
+            **common,
+            momentum1_host=state.view(-1),
+            momentum1_placements=torch.zeros(1, **i32),
+            momentum1_offsets=torch.zeros(1, **i64),
+            eps=config.eps,
+        )

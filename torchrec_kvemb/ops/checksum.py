@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import zlib
 
+from torchrec_kvemb.backend import implementation
 from torchrec_kvemb.ops import native
 
 #: Buffers shorter than this go to zlib (a native call costs more than it saves).
@@ -30,4 +31,4 @@ def crc32(data: memoryview | bytes | bytearray, value: int = 0) -> int:
 
 
 def _native() -> bool:
-    return native.use_native("cpu") and native.crc32_folds()
+    return implementation("cpu") == "native" and native.crc32_folds()

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from torchrec_kvemb.backend import implementation
 from torchrec_kvemb.ops import native
 
 MAGIC = b"KVSLAB01"
@@ -142,7 +143,7 @@ def checksum(block: np.ndarray) -> np.ndarray:
 def checksums(block: torch.Tensor) -> torch.Tensor:
     """``checksum`` of records ``block [k, words]`` (int64 tensor), by the native
     kernel where it runs (the same bits)."""
-    if native.use_native("cpu") and block.is_contiguous():
+    if implementation("cpu") == "native" and block.is_contiguous():
         return native.record_checksum(block)
     return torch.from_numpy(checksum(block.numpy()))
 
@@ -325,7 +326,7 @@ class Slab:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(read(records, view), verify(block, ids))`` in one pass where the native
         kernels run (copy and check of each record while it is in cache)."""
-        if not (native.use_native("cpu") and records.numel() < PARALLEL_READ_MIN):
+        if not (implementation("cpu") == "native" and records.numel() < PARALLEL_READ_MIN):
             block = self.read(records, view)
             return block, self.verify(block, ids)
         view = self.view() if view is None else view
@@ -337,7 +338,7 @@ class Slab:
         """Write ``rows [k, dim + state_dim]`` of ``ids`` to ``records`` (distinct)."""
         if records.numel() == 0:
             return
-        if native.use_native("cpu") and rows.dtype == torch.float32:
+        if implementation("cpu") == "native" and rows.dtype == torch.float32:
             # why native: encoded in place, one pass (no [k, words] block, no numpy
             # checksum): ~4x less time for the SSD-tier benchmark's demotions.
             native.write_records(

@@ -20,11 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 from torchrec_kvemb.dispatch import route_bucket
+from torchrec_kvemb.optimizer import STATE_NAMES
 from torchrec_kvemb.state_dict.deferred import active as active_deferral
 from torchrec_kvemb.table import KVTable
 
-#: Optimizer state names of every supported optimizer (``FusedOptimConfig.state_names``).
-STATE_NAMES = ("momentum1", "exp_avg", "exp_avg_sq")
 ROW_KEYS = ("weight", "weight_id", "weight_score")
 ADMISSION_KEYS = ("admission_id", "admission_count", "admission_score")
 KNOWN_KEYS = frozenset(ROW_KEYS + STATE_NAMES + ADMISSION_KEYS + ("bucket", "step"))
