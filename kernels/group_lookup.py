@@ -32,7 +32,7 @@ kernels themselves. Evaluation: ``group_probe_kernel`` (one lane per id).
 Every launch has one program per block of ``n`` (the insert: one per lane):
 programs past the batch's uniques or buckets mask everything off.
 
-Why one file of some 580 lines: the three kernels and their host side share the
+Why one file of some 600 lines: the three kernels and their host side share the
 buffers and codes of one lookup (``KIND_*``, the per-unique arrays, the bucket
 order); split apart, a change to one buffer's meaning would span files.
 """
@@ -123,13 +123,14 @@ def _add_per_table(column_ptr, stride, table, next_table, values, num_tables):
     total = tl.cumsum(values, axis=0)
     last = tl.arange(0, block) == block - 1
     run_end = last | (next_table != table)
+    adds = run_end & (total != 0)  # adding zero changes nothing
     tl.atomic_add(
-        column_ptr + table * stride, total, mask=run_end & (table < num_tables), sem="relaxed"
+        column_ptr + table * stride, total, mask=adds & (table < num_tables), sem="relaxed"
     )
     tl.atomic_add(
         column_ptr + next_table * stride,
         -total,
-        mask=run_end & ~last & (next_table < num_tables),
+        mask=adds & ~last & (next_table < num_tables),
         sem="relaxed",
     )
 

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_kvemb.bag_lookup import KVBagLookup, bag_offsets
+from torchrec_kvemb.bag_lookup import KVBagLookup
 from torchrec_kvemb.contracts import Bags, run_of_each
 from torchrec_kvemb.lookup import pooled_eval, pooled_train
 
@@ -51,7 +51,7 @@ class KVSequenceLookup(KVBagLookup):
             out = torch.zeros(n, dim, device=ids.device)
             return out.requires_grad_(training and torch.is_grad_enabled())
         plan = self._plan(keys, stride)
-        bag_of = run_of_each(bag_offsets(lengths)[1:], n)
+        bag_of = run_of_each(torch.cumsum(lengths, 0), n)  # the bags' ends: their offsets[1:]
         # Every id a bag of its own.
         each = torch.arange(n + 1, device=ids.device)
         bags = Bags(each, each[:n], None)
