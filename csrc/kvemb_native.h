@@ -30,8 +30,12 @@ enum KvStatus {
 // Policy codes of KvTrainArgs.policy (EvictionPolicy in options.py).
 enum KvPolicy { KV_LRU = 0, KV_LFU = 1, KV_CUSTOM_SCORE = 2, KV_NONE = 3 };
 
-// Optimizer codes of KvBackwardArgs.kind (OptimKind in optimizer.py).
+// Optimizer codes of KvBackwardArgs.kind (OptimKind.code in optimizer.py).
 enum KvOptim { KV_SGD = 0, KV_ROWWISE_ADAGRAD = 1, KV_ADAM = 2 };
+
+// A row's optimizer state: its blocks in this order (OptimKind.state_names),
+// each one float (momentum1) or dim floats (exp_avg, exp_avg_sq; STATE_PER_COLUMN).
+enum KvStateBlock { KV_MOMENTUM1 = 0, KV_EXP_AVG = 0, KV_EXP_AVG_SQ = 1 };
 
 // Metric columns of KvTrainArgs.metrics ([T, 6] deltas).
 enum KvMetric {

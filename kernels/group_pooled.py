@@ -28,14 +28,19 @@ import triton.language as tl
 from torchrec_kvemb.contracts import Bags, GroupLayout
 from torchrec_kvemb.kernels.hashing import init_values_any
 from torchrec_kvemb.kernels.rounding import round_to
+from torchrec_kvemb.optimizer import OptimKind
 
 # why 128: a warp reads 128 fp32 columns (512 B) of a row as whole cache lines.
 MAX_BLOCK_D = 128
 # why 16: 16 ids x 128 columns = 2048 loads in flight per step of the bag loop.
 BLOCK_N = 16
 
-#: Optimizer codes (``OptimKind`` order) of the fused backward.
-SGD, ROWWISE_ADAGRAD, ADAM = 0, 1, 2
+#: Optimizer codes and state blocks of the fused backward, from ``OptimKind``.
+SGD = tl.constexpr(OptimKind.SGD.code)
+ROWWISE_ADAGRAD = tl.constexpr(OptimKind.ROWWISE_ADAGRAD.code)
+ADAM = tl.constexpr(OptimKind.ADAM.code)
+#: Adam's second moment: the state block after the first (``dim`` columns each).
+EXP_AVG_SQ = tl.constexpr(OptimKind.ADAM.state_names.index("exp_avg_sq"))
 
 
 def _block_d(dim: int) -> int:
@@ -180,7 +185,7 @@ def group_fused_bwd_kernel(
         w_row = weights_ptr + slot * dim
         s_row = state_ptr + slot * state_dim
         multiplier = lr
-        if KIND == 1:
+        if KIND == ROWWISE_ADAGRAD:
             sq = tl.zeros([BLOCK_D], dtype=tl.float32)
             for d0 in range(0, dim, BLOCK_D):
                 cols = d0 + tl.arange(0, BLOCK_D)
@@ -204,9 +209,9 @@ def group_fused_bwd_kernel(
             )  # fmt: skip
             w = tl.load(w_row + cols, mask=col_mask, other=0.0).to(tl.float32)
             g = _transformed(g, w, decay, max_gradient, L2, CLIP)
-            if KIND == 2:
+            if KIND == ADAM:
                 m_ptrs = s_row + cols
-                v_ptrs = m_ptrs + dim
+                v_ptrs = s_row + EXP_AVG_SQ * dim + cols
                 m = beta1 * tl.load(m_ptrs, mask=col_mask, other=0.0) + (1.0 - beta1) * g
                 v = beta2 * tl.load(v_ptrs, mask=col_mask, other=0.0) + (1.0 - beta2) * g * g
                 tl.store(m_ptrs, m, mask=col_mask)

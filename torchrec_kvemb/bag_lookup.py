@@ -48,6 +48,13 @@ class BagTable:
     mean: bool = False
 
 
+#: What a traced lookup says of a bad batch (an eager one names the table and feature).
+BAD_BATCH = (
+    "KV lookup: a negative id, or lengths that do not sum to the ids "
+    "(run the batch eagerly for the table and feature)"
+)
+
+
 class KVBagLookup:
     """The KV tables of a collection, grouped, and their pooled lookup (see the module
     docstring). ``optims``: one optimizer for all tables, or one per table name.
@@ -303,7 +310,11 @@ class KVBagLookup:
             bad |= torch.minimum(lengths.min(), values.min()) < 0
         elif lengths.numel():  # (ids without lengths: ``bad`` already)
             bad |= lengths.min() < 0
-        if bool(bad):  # the one sync of the fast path
+        if torch.compiler.is_compiling():
+            # Traced (torch.compile, torch.export): checked on the device, no branch;
+            # the eager lookup names the table and feature.
+            torch._assert_async(~bad, BAD_BATCH)
+        elif bool(bad):  # the one sync of the fast path
             self._explain(features)
         w = weights.to(torch.float32) if weights is not None else None
         return values.to(torch.int64), lengths, w

@@ -103,23 +103,22 @@ class BagPlan:
         for g in range(num_groups):
             first.append(total)
             total += len(outputs[g]) * dims[g]
-        columns = (
-            torch.cat(
-                [
-                    torch.arange(first[g] + i * dims[g], first[g] + (i + 1) * dims[g])
-                    for g, i in order
-                ]
-            )
-            if order
-            else torch.empty(0, dtype=torch.int64)
-        )
-        identity = torch.equal(columns, torch.arange(columns.numel()))
+        # Plain ints and sizes known on the host: a plan made while torch.compile
+        # traces the lookup has no data-dependent op.
+        column_list = [
+            column
+            for g, i in order
+            for column in range(first[g] + i * dims[g], first[g] + (i + 1) * dims[g])
+        ]
+        identity = column_list == list(range(len(column_list)))
+        columns = torch.tensor(column_list, dtype=torch.int64)
         counts = torch.tensor(list(strides), dtype=torch.int64)
-        key_of_bag = torch.arange(num_keys).repeat_interleave(counts)
+        bags = starts[-1]
+        key_of_bag = torch.arange(num_keys).repeat_interleave(counts, output_size=bags)
         return cls(
             table_maps=maps,
             table_of_bag=[m[key_of_bag] for m in maps],
-            mean_of_bag=mean.repeat_interleave(counts),
+            mean_of_bag=mean.repeat_interleave(counts, output_size=bags),
             key_of_bag=key_of_bag,
             bag_lists=bag_lists,
             positions=positions,

@@ -1,0 +1,250 @@
+"""The registered ops (``torch.ops.kvemb.*``): ``torch.library.opcheck`` on the CPU
+kernels, the fake kernels against the Triton kernels (interpreter), which kernel
+the dispatcher picks, and clear errors for bad input through an op.
+
+``opcheck`` runs each op's schema test (declared mutations and aliasing), its
+fake kernel against the real one (shapes, dtypes, strides) and AOT dispatch with
+dynamic shapes. Inputs are small and odd-sized; a mutating op gets fresh copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import torchrec_kvemb  # noqa: F401  (registers the ops)
+from torchrec_kvemb import library
+from torchrec_kvemb.contracts import Bags
+from torchrec_kvemb.group import KVTableGroup
+from torchrec_kvemb.ops.block_bucketize import prepare_inputs
+from torchrec_kvemb.options import EvictionPolicy, Initializer, KVTableOptions
+from torchrec_kvemb.validation import KVInputError
+
+N = 29  # ids per batch
+DIM = 5
+
+
+def _group() -> KVTableGroup:
+    options = [
+        KVTableOptions(capacity=64, init_low=-0.5, init_high=0.5),
+        KVTableOptions(capacity=48, eviction=EvictionPolicy.LFU, admission_threshold=2),
+        KVTableOptions(capacity=32, initializer=Initializer.NORMAL, init_std=0.1),
+    ]
+    group = KVTableGroup(["a", "b", "c"], options, dim=DIM)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):  # some stored rows, some evictions
+        ids = torch.randint(0, 120, (N,), generator=gen)
+        group.lookup_train(ids, torch.randint(-1, 3, (N,), generator=gen))
+    return group
+
+
+def _batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 120, (N,), generator=gen), torch.randint(-1, 3, (N,), generator=gen)
+
+
+def _bags() -> Bags:
+    offsets = torch.tensor([0, 3, 3, 9, 14, 20, 27, N])
+    return Bags.build(offsets, N, torch.rand(N, generator=torch.Generator().manual_seed(2)))
+
+
+def _train_args(group: KVTableGroup) -> tuple:
+    ids, table_idx = _batch()
+    layout = group.layout
+    return (
+        *(t.clone() for t in group.storage),
+        *layout.tensors(),
+        layout.has_admission,
+        layout.has_normal,
+        ids,
+        table_idx,
+        group.clocks[0].clone(),
+        group.metrics.clone(),
+        None,
+        None,
+    )
+
+
+def _backward_args(group: KVTableGroup) -> tuple:
+    ids, table_idx = _batch()
+    look = group.lookup_train(ids, table_idx)
+    bags = _bags()
+    grad = torch.randn(bags.offsets.numel() - 1, DIM, generator=torch.Generator().manual_seed(3))
+    return (
+        group.weights.clone(),
+        group.state.clone(),
+        grad,
+        bags.offsets,
+        bags.bag_of,
+        bags.scale,
+        look.slots,
+        look.unique_index,
+        look.unique_slots,
+        look.unique_table,
+        group.learning_rate_tensor(),
+        group.clocks[1].clone(),
+        group.optim.kind.code,
+        1e-8,
+        0.9,
+        0.999,
+        0.01,
+        1,
+        True,
+        0.5,
+    )
+
+
+def _forward_args(group: KVTableGroup, pooled: bool, missing_as_zero: bool) -> tuple:
+    ids, table_idx = _batch()
+    slots = group.lookup_eval(ids, table_idx)
+    layout = group.layout
+    init = (layout.seed, layout.seed_mix, layout.init_normal, layout.init_a, layout.init_b)
+    if not pooled:
+        return (group.weights, slots, ids, table_idx, *init, missing_as_zero)
+    bags = _bags()
+    bag_list = torch.arange(bags.offsets.numel() - 1)
+    return (group.weights, slots, ids, table_idx, bags.offsets, bags.bag_of, bags.scale,
+            bag_list, *init, missing_as_zero)  # fmt: skip
+
+
+def _bucketize_args() -> tuple:
+    gen = torch.Generator().manual_seed(4)
+    lengths = torch.randint(0, 5, (3 * 7,), generator=gen)
+    ids = torch.randint(0, 200, (int(lengths.sum()),), generator=gen)
+    weights = torch.rand(ids.numel(), 3, generator=gen)
+    return tuple(prepare_inputs(lengths, ids, [11, 7, 50], 3, weights, bucketize_pos=True))
+
+
+def _insert_args(group: KVTableGroup) -> tuple:
+    """Unique ids, one score each (LRU: the step), into a copy of table ``a``'s index."""
+    ids = torch.unique(_batch()[0])
+    return (*_index(group), ids, torch.full_like(ids, 7), False, False)
+
+
+def _index(group: KVTableGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    table = group.tables[0]
+    return table.keys.clone(), table.scores.clone()
+
+
+CASES: dict[str, Callable[[KVTableGroup], tuple]] = {
+    "index_bucket": lambda g: (_batch()[0], 13),
+    "probe": lambda g: (_index(g)[0], _batch()[0]),
+    "insert": lambda g: _insert_args(g),
+    "place": lambda g: (_index(g)[0], torch.arange(1000, 1000 + N)),
+    "bulk_load": lambda g: (
+        torch.full((5, 16), -1),
+        torch.zeros(5, 16, dtype=torch.int64),
+        torch.arange(3, 3 + 3 * N, 3),
+        torch.arange(N),
+    ),  # fmt: skip
+    "export_order": lambda g: (_index(g)[0], 37),
+    "scatter_rows": lambda g: (torch.zeros(11, DIM), torch.tensor([3, 0, 9]), torch.rand(3, DIM)),
+    "init_rows": lambda g: (_batch()[0], DIM, 17, False, -0.1, 0.1),
+    "lookup_train_group": _train_args,
+    "lookup_eval_group": lambda g: (
+        g.storage.keys,
+        g.layout.bucket_offset,
+        g.layout.num_buckets,
+        *_batch(),
+        g.metrics.clone(),
+    ),  # fmt: skip
+    "pooled_forward": lambda g: _forward_args(g, pooled=True, missing_as_zero=False),
+    "rows_forward": lambda g: _forward_args(g, pooled=False, missing_as_zero=False),
+    "fused_backward": _backward_args,
+    "block_bucketize": lambda g: _bucketize_args(),
+}
+
+
+def _args(name: str) -> tuple:
+    return CASES[name](_group())
+
+
+def test_every_op_is_registered_and_checked():
+    assert set(library.kernel_names()) == set(CASES)
+    assert set(CASES) <= set(dir(torch.ops.kvemb))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_opcheck(name):
+    torch.library.opcheck(getattr(torch.ops.kvemb, name), _args(name))
+
+
+#: Ops whose CUDA kernel is Triton (the others run the torch path there).
+TRITON = sorted(n for n, k in library.kernel_names().items() if k["cuda"] == "triton")
+
+
+def _described(real, fake) -> None:
+    """``fake`` (from the fake kernel) describes ``real``: structure, dtypes, dims;
+    sizes too except where the fake's are data-dependent (unbacked)."""
+    if real is None:
+        assert fake is None
+        return
+    if isinstance(real, torch.Tensor):
+        assert real.dtype == fake.dtype and real.dim() == fake.dim(), (real.shape, fake.shape)
+        for r, f in zip(real.shape, fake.shape, strict=True):
+            if isinstance(f, int):
+                assert r == f, (real.shape, fake.shape)
+        return
+    assert len(real) == len(fake)
+    for r, f in zip(real, fake, strict=True):
+        _described(r, f)
+
+
+@pytest.mark.parametrize("name", TRITON)
+def test_fake_kernel_describes_the_triton_kernel(name):
+    """The Triton kernels (Triton's interpreter on CPU tensors) give outputs of the
+    structure, dtypes and sizes the fake kernel says."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    args = _args(name)
+    real = library.cuda_kernel(name)(*[a.clone() if isinstance(a, torch.Tensor) else a
+                                       for a in args])  # fmt: skip
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        fake = getattr(torch.ops.kvemb, name)(*fake_args)
+    _described(real, fake)
+
+
+def test_the_dispatcher_picks_the_kernel_by_device(monkeypatch):
+    """CPU tensors run the op's CPU kernel (the native library); meta tensors its fake
+    kernel (shapes only, nothing native runs)."""
+    from torchrec_kvemb.ops import native
+
+    calls = []
+    real = native.lookup_eval_group
+    monkeypatch.setattr(
+        native, "lookup_eval_group", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    group = _group()
+    ids, table_idx = _batch()
+    torch.ops.kvemb.probe(group.tables[0].keys, ids)
+    assert calls == [1]
+    meta = torch.ops.kvemb.probe(group.tables[0].keys.to("meta"), ids.to("meta"))
+    assert meta.device.type == "meta" and meta.shape == ids.shape
+    assert calls == [1]
+
+
+def test_bad_ids_keep_their_clear_error_through_an_op():
+    group = _group()
+    args = list(_train_args(group))
+    ids_at = 7 + len(group.layout.tensors()) + 2
+    args[ids_at] = torch.tensor([3, -4, 5])
+    args[ids_at + 1] = torch.tensor([0, 0, 1])
+    before = [t.clone() for t in args[:7]]
+    with pytest.raises(KVInputError, match="ids must be >= 0"):
+        torch.ops.kvemb.lookup_train_group(*args)
+    assert all(torch.equal(b, a) for b, a in zip(before, args[:7], strict=True)), "state changed"
+
+
+def test_export_order_orders_by_the_routing_hash():
+    """The op's CPU kernel orders by the routing hash (``ROUTE_SALT``, which the op
+    passes the native kernel), as the torch path does."""
+    from torchrec_kvemb.ops.export_order import export_order_torch
+
+    keys = _index(_group())[0]
+    got = torch.ops.kvemb.export_order(keys, 37)
+    want = export_order_torch(keys, 37)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
