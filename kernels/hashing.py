@@ -28,26 +28,11 @@ def index_bucket(ids, num_buckets):
 
 
 @triton.jit
-def init_values(ids, cols, seed_mix, normal: tl.constexpr, a, b):
-    """Initial values for ``ids[:, None]`` x ``cols[None, :]`` (0-based columns)."""
-    base = fmix64(ids ^ seed_mix)
-    step = (cols + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
-    mixed = base.to(tl.uint64, bitcast=True)[:, None] + step[None, :]
-    bits = fmix64(mixed.to(tl.int64, bitcast=True))
-    u1 = ((bits >> 40) & 0xFFFFFF).to(tl.float32) * (1.0 / 16777216.0)
-    if normal:
-        u2 = ((bits >> 16) & 0xFFFFFF).to(tl.float32) * (1.0 / 16777216.0)
-        radius = tl.sqrt(-2.0 * tl.log(1.0 - u1))
-        return a + b * radius * tl.cos(6.283185307179586 * u2)
-    else:
-        return a + (b - a) * u1
-
-
-@triton.jit
 def init_values_any(ids, cols, seed_mix, normal, a, b):
-    """``init_values`` of ids of several tables: ``seed_mix``, ``normal`` (a run-time
-    flag) and float64 ``a``, ``b`` are per id, rounded as the torch path rounds them
-    (``b - a`` and ``a`` to float32). Values of ``ids[:, None]`` x ``cols[None, :]``."""
+    """Initial values (``ops.hashing.init_rows``) of ids of several tables:
+    ``seed_mix``, ``normal`` (a run-time flag) and float64 ``a``, ``b`` are per id,
+    rounded as the torch path rounds them (``b - a`` and ``a`` to float32). Values
+    of ``ids[:, None]`` x ``cols[None, :]``."""
     base = fmix64(ids ^ seed_mix)
     step = (cols + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
     mixed = base.to(tl.uint64, bitcast=True)[:, None] + step[None, :]

@@ -7,7 +7,7 @@ import functools
 import math
 import os
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -133,7 +133,6 @@ class KVTableOptions:
     #: (docs/precision.md). Lookups pool and updates compute in float32 either way;
     #: optimizer state stays float32.
     weights_dtype: torch.dtype = torch.float32
-    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if self.weights_dtype not in ROW_DTYPES:
