@@ -170,7 +170,7 @@ def _grouped(backend: str, path, optimizer, monkeypatch) -> tuple[list, dict, li
 
     monkeypatch.setattr(native, "lookup_train_group", spy)
     ebc = _collection([*TIERED, "u"], path, optimizer)
-    pads = {id(ebc.table(name)._pad.pad) for name in TIERED}
+    pads = {id(ebc.table(name).scratch.pad) for name in TIERED}
     assert len(pads) == 1, "the three tiered tables share one group and pad"
     outputs = [_step(ebc, kjt, step != EVAL_STEP) for step, kjt in enumerate(_batches())]
     state = _state(ebc)
@@ -346,7 +346,7 @@ def test_sequence_collection_groups_tiered_tables_as_alone(tmp_path, monkeypatch
     features = [TIERED[name][0] for name in TIERED]
     group = _sequence_collection(list(TIERED), tmp_path / "group")
     alone = {name: _sequence_collection([name], tmp_path / "alone") for name in TIERED}
-    assert len({id(group.table(name)._pad.pad) for name in TIERED}) == 1
+    assert len({id(group.table(name).scratch.pad) for name in TIERED}) == 1
     for step, kjt in enumerate(_batches()):
         kjt = _select(kjt, features)
         got = group(kjt)

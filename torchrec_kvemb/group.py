@@ -218,10 +218,10 @@ class KVTableGroup:
         )  # fmt: skip
 
     def _begin_tiered_batch(self) -> None:
-        """Every table writes its scratch rows of the last batch back; the pad starts
-        over."""
+        """Every table writes its scratch rows of the last batch back
+        (``KVTable.settle``); the pad starts over."""
         for table in self.tables:
-            table._settle()
+            table.settle()
         self.pad.begin_batch()
 
     def backend(self, device: torch.device) -> str:

@@ -31,7 +31,7 @@ from torchrec_kvemb.index import BucketIndex
 from torchrec_kvemb.memory import bytes_per_row, resolve_capacity, table_memory
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import EvictionPolicy, KVTableOptions
-from torchrec_kvemb.ssd.store import COUNTERS as SSD_COUNTERS
+from torchrec_kvemb.tier import TIER_METRICS, LowerTier
 from torchrec_kvemb.validation import KVInputError, check_ids, check_rows
 
 __all__ = ["KVTable", "TableStorage", "bytes_per_row", "resolve_capacity"]
@@ -75,6 +75,21 @@ class KVTable:
         table.prefetch(next_ids)   # optional: read the next batch's SSD rows ahead
         table.flush()              # every row durable; reopening the path restores them
         table.close()
+
+    **Clocks.** ``clock [2]`` int64 holds the training lookups so far (``step``: the
+    LRU clock, a new row's score) and the optimizer steps so far (``optim_step``:
+    Adam's bias correction). Who advances them:
+
+    * the step: ``torch.ops.kvemb.lookup_train_group`` inside the op (a group's
+      native and Triton lookups: every table's column of ``KVTableGroup.clocks``);
+      everywhere else :meth:`advance_step`, once per training batch: the torch-path
+      lookups (``lookup_train``, ``TieredKVTable.lookup_train``) and the tiered
+      lookup (``tiered_lookup``);
+    * the optimizer step: the group's fused backward (the registered
+      ``fused_backward`` op, or its torch path in ``dispatch``).
+
+    Restores and loads set ``step`` and ``optim_step``; nothing else in the package
+    writes them.
     """
 
     #: The subclass that serves ``options.ssd`` (set by ``torchrec_kvemb.tiered``).
@@ -165,6 +180,11 @@ class KVTable:
     def optim_step(self, value: int) -> None:
         self.clock[1] = int(value)
 
+    def advance_step(self) -> None:
+        """A training batch begins: the step clock advances by one, in place (so a
+        group's ``clocks`` see it; no host sync)."""
+        self.clock[0] += 1
+
     # ----------------------------------------------------------------- views
     @property
     def keys(self) -> torch.Tensor:
@@ -201,6 +221,11 @@ class KVTable:
     @property
     def ssd(self) -> Any:
         """The lower tier under the in-memory rows (``TieredKVTable``), else None."""
+        return None
+
+    @property
+    def tier(self) -> LowerTier | None:
+        """The lower tier through its contract (``torchrec_kvemb.tier``), else None."""
         return None
 
     def memory_bytes(self) -> int:
@@ -364,8 +389,8 @@ class KVTable:
         return out
 
     def tier_metrics(self) -> dict[str, float]:
-        """The lower tier's counters (zeros without one) and ``ssd_size``."""
-        return {**dict.fromkeys(SSD_COUNTERS, 0), "ssd_size": 0}
+        """The lower tier's metrics (``tier.TIER_METRICS``; zeros without one)."""
+        return dict.fromkeys(TIER_METRICS, 0)
 
     def count(self, metric: str, n: int) -> None:
         """Add ``n`` to the counter ``metric`` (one of ``METRIC_NAMES``)."""
@@ -385,6 +410,10 @@ class KVTable:
         """Room in the lower tier for ``n`` rows before anything changes (a no-op
         without one)."""
 
+    def settle(self) -> None:
+        """Write what waits for the lower tier from the last batch (its scratch rows,
+        trained by its backward since) before a batch begins (a no-op without one)."""
+
     # ------------------------------------------------------- training lookups
     def lookup_train(self, ids: torch.Tensor, custom_scores: torch.Tensor | None = None):
         """Slots for a training batch, inserting new ids (admission and eviction apply).
@@ -392,7 +421,7 @@ class KVTable:
         Returns ``slots [n]``: -1 for ids that hold no row (not yet admitted, or no
         room); they pool their initial value and their gradient is dropped.
         """
-        self.step += 1
+        self.advance_step()
         uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
         custom = max_per_unique(custom_scores, inverse, uniq.numel())
         values = self.score_values(uniq, counts, custom)

@@ -1,7 +1,8 @@
 """``TieredKVTable``: a KV table whose rows in memory are a cache over a lower tier.
 
 The lower tier (an :class:`~torchrec_kvemb.ssd.store.SSDStore`: rows on disk)
-is used through its public methods only:
+is used through its contract only (:class:`~torchrec_kvemb.tier.LowerTier`,
+built in one place: ``_open_tier``):
 
 * ``lookup_train`` / ``lookup_eval``: an id the lower tier holds is promoted
   (its row, optimizer state and score come back to memory) and the rows that
@@ -16,6 +17,10 @@ Ids of a training batch that find no memory row (a bucket full of the batch's
 ids) train in scratch rows after the memory rows (``ssd/scratch.py``), written
 to the SSD tier at the table's next call.
 
+The native one-pass lookup (``tiered_lookup.py``) does a batch's tier work
+through the table's public steps: ``settle``, ``fetch_lower``, ``reserve_batch``,
+``demote``, ``promote``, ``write_scratch``, ``advance_step`` and ``tier``.
+
 The two tiers never hold the same id. ``KVTable(..., options)`` with
 ``options.ssd`` builds this class. See docs/ssd-tier.md.
 
@@ -24,10 +29,11 @@ find-or-insert of the whole batch with the SSD ids as promotions
 (``native.TierPromotion``); the torch path stays the reference it is tested
 against (tests/ssd/test_tier_backends.py).
 
-Why one file of some 550 lines: one class, each of whose methods is the
-table's contract over two tiers (the training lookup twice: native and torch);
-the storage (``ssd/``) and the scratch pad (``ssd/scratch.py``) already live
-apart.
+Why one file of some 600 lines: one class, each of whose methods is the
+table's contract over two tiers (the training lookup twice: native and torch;
+the steps of a batch over the tier, which the native pass calls too); the
+tier's contract (``tier.py``), the storage (``ssd/``) and the scratch pad
+(``ssd/scratch.py``) already live apart.
 
 Example::
 
@@ -47,6 +53,7 @@ from torchrec_kvemb.options import WAYS, EvictionPolicy, KVTableOptions
 from torchrec_kvemb.ssd.scratch import ScratchPad, TablePad
 from torchrec_kvemb.ssd.store import SSDStore, default_rank
 from torchrec_kvemb.table import KVTable, max_per_unique
+from torchrec_kvemb.tier import LowerTier
 from torchrec_kvemb.tiered_lookup import lookup_train_tiers
 from torchrec_kvemb.validation import check_ids
 
@@ -93,31 +100,52 @@ class TieredKVTable(KVTable, serves_ssd=True):
         rank = default_rank() if rank is None else rank
         self._pad = pad or ScratchPad(self.weights, self.state).for_table(0, 0)
         self._native: tuple[GroupLayout, TableStorage] | None = None
-        self._store = SSDStore(name, dim, self.state_dim, ssd, rank)
+        self._scratch_rows = 0  # distinct ids served from the pad (``scratch_rows``)
+        self._tier = self._open_tier(rank)
         try:
             self._restore()
         except BaseException:
-            self._store.close()
+            self._tier.close()
             raise
 
+    def _open_tier(self, rank: int) -> LowerTier:
+        """The lower tier under the memory rows: an ``SSDStore`` over ``options.ssd``."""
+        return SSDStore(self.name, self.dim, self.state_dim, self.options.ssd, rank)
+
     @property
-    def ssd(self) -> SSDStore:
-        """The SSD tier under the in-memory rows."""
-        return self._store
+    def ssd(self) -> LowerTier:
+        """The SSD tier under the in-memory rows (an ``SSDStore``)."""
+        return self._tier
+
+    @property
+    def tier(self) -> LowerTier:
+        """The lower tier, through its contract (``torchrec_kvemb.tier``)."""
+        return self._tier
+
+    @property
+    def scratch(self) -> TablePad:
+        """This table's share of the scratch pad (``ssd/scratch.py``)."""
+        return self._pad
 
     @property
     def total_size(self) -> int:
         """Ids stored in memory, on the SSD tier and in the scratch pad."""
-        return self.size + self._store.size + self._pad.pending
+        return self.size + self._tier.size + self._pad.pending
 
     def room(self) -> int | None:
         """Memory rows plus the SSD tier's capacity (None when the tier grows)."""
         if self.options.ssd.capacity is None:
             return None
-        return self.capacity + self._store.capacity
+        return self.capacity + self._tier.capacity
 
     def tier_metrics(self) -> dict[str, float]:
-        return {**self._store.counters, "ssd_size": self._store.size + self._pad.pending}
+        """The tier's counters, the scratch rows served, and ``ssd_size`` (rows on the
+        tier and scratch rows waiting to be written there)."""
+        return {
+            **self._tier.metrics(),
+            "scratch_rows": self._scratch_rows,
+            "ssd_size": self._tier.size + self._pad.pending,
+        }
 
     def batch_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The table's rows and, after them, its scratch rows (``ssd/scratch.py``)."""
@@ -130,20 +158,20 @@ class TieredKVTable(KVTable, serves_ssd=True):
     def _restore(self) -> None:
         """Load what the last flush of a previous run left: counters, memory rows
         (those that no longer fit go to the SSD tier)."""
-        store = self._store
-        if store.restored is None:
+        restored = self._tier.read_restored()
+        if restored is None:
             return
-        self.step = int(store.restored.meta.get("step", 0))
-        self.optim_step = int(store.restored.meta.get("optim_step", 0))
-        ids, records, scores, rows = store.read_restored()
+        self.step = int(restored.meta.get("step", 0))
+        self.optim_step = int(restored.meta.get("optim_step", 0))
+        ids, records, scores = restored.ids, restored.records, restored.memory_scores
         result = self.index.insert(
             ids.to(self.device), scores.to(self.device), accumulate=False, keep_existing=True
         )
         stored = result.slots >= 0
-        rows = rows.to(self.device)
+        rows = restored.rows.to(self.device)
         self.set_rows(result.slots[stored], rows[stored.to(rows.device)])
         left = (~stored).cpu()
-        store.adopt(ids[left], self._ssd_scores(scores[left]), records[left])
+        self._tier.adopt(ids[left], self._ssd_scores(scores[left]), records[left])
 
     # --------------------------------------------------------------- lookups
     def lookup_train(
@@ -160,10 +188,10 @@ class TieredKVTable(KVTable, serves_ssd=True):
         uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
         mem_slots = self.index.probe(uniq)
         miss = (mem_slots < 0).nonzero().squeeze(1)
-        found, ssd_slots, ssd_scores, ssd_rows = self._fetch(uniq, miss)
-        self._reserve(miss.numel())  # every eviction makes room for a missed id
+        found, ssd_slots, ssd_scores, ssd_rows = self.fetch_lower(uniq, miss)
+        self.reserve_batch(miss.numel())  # every eviction makes room for a missed id
         self._count_ssd(counts, miss, found)
-        self.step += 1
+        self.advance_step()
         values = self.score_values(
             uniq, counts, max_per_unique(custom_scores, inverse, uniq.numel())
         ).clone()
@@ -175,10 +203,10 @@ class TieredKVTable(KVTable, serves_ssd=True):
         stored[found] = True
         slots_u, hit_u, inserted_u, result, no_room = self.compete(uniq, counts, values, stored)
         moved = (slots_u[found] >= 0) | no_room[found]  # leaves the SSD tier
-        self._store.remove(ssd_slots[moved.cpu()])
+        self._tier.remove(ssd_slots[moved.cpu()])
         promoted = (slots_u[found] >= 0).nonzero().squeeze(1)
         self._demote_evicted(result, before)
-        self._promote(slots_u[found[promoted]], ssd_rows[promoted], promoted_scores[promoted])
+        self.promote(slots_u[found[promoted]], ssd_rows[promoted], promoted_scores[promoted])
         self.count("inserts", -promoted.numel())
         inserted_u[found[promoted]] = False
         self.init_rows_at(slots_u[inserted_u], uniq[inserted_u])
@@ -191,8 +219,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
             from_ssd = no_room[found].nonzero().squeeze(1)
             at = torch.searchsorted(pad, found[from_ssd])
             rows[at], scores[at] = ssd_rows[from_ssd].to(rows.dtype), promoted_scores[from_ssd]
-            slots_u[pad] = self._pad.write(rows, uniq[pad], scores)
-            self._store.counters["scratch_rows"] += pad.numel()
+            slots_u[pad] = self.write_scratch(rows, uniq[pad], scores)
         return slots_u[inverse]
 
     def lookup_train_rows(
@@ -251,9 +278,9 @@ class TieredKVTable(KVTable, serves_ssd=True):
         mem_slots = self.index.probe(uniq)
         hit = mem_slots >= 0
         miss = (~hit).nonzero().squeeze(1)
-        found, ssd_slots, ssd_scores, ssd_rows = self._fetch(uniq, miss)
+        found, ssd_slots, ssd_scores, ssd_rows = self.fetch_lower(uniq, miss)
         if found.numel():
-            self._reserve(found.numel())  # every eviction makes room for a promotion
+            self.reserve_batch(found.numel())  # every eviction makes room for a promotion
         self.count_hits(ids.numel(), counts, hit)
         self._count_ssd(counts, miss, found)
         if found.numel() == 0:
@@ -279,13 +306,12 @@ class TieredKVTable(KVTable, serves_ssd=True):
         found_slots = result.slots[hit_idx.numel() :]
         slots_u[found] = found_slots
         promoted = (found_slots >= 0).nonzero().squeeze(1)
-        self._store.remove(ssd_slots[promoted.cpu()])
+        self._tier.remove(ssd_slots[promoted.cpu()])
         self._demote_evicted(result, before)
-        self._promote(found_slots[promoted], ssd_rows[promoted], ssd_scores[promoted])
+        self.promote(found_slots[promoted], ssd_rows[promoted], ssd_scores[promoted])
         left = (found_slots < 0).nonzero().squeeze(1)
         if left.numel():  # a read-only copy: their rows stay on the SSD tier
-            slots_u[found[left]] = self._pad.write(ssd_rows[left])
-            self._store.counters["scratch_rows"] += left.numel()
+            slots_u[found[left]] = self.write_scratch(ssd_rows[left])
         return slots_u[inverse]
 
     # ------------------------------------------------------ reads and writes
@@ -302,14 +328,14 @@ class TieredKVTable(KVTable, serves_ssd=True):
         as a stored id would be (and moves to memory); rows that find no memory row
         go to the SSD tier (slot -1)."""
         ids, values = self._checked_insert(ids, weights, state, scores, exact_scores)
-        self._settle()
-        store = self._store
-        ssd_slots = store.lookup(ids.cpu())
+        self.settle()
+        tier = self._tier
+        ssd_slots = tier.lookup(ids.cpu())
         held = (ssd_slots >= 0).nonzero().squeeze(1)
-        old_scores, _, ok = store.fetch(ids.cpu()[held], ssd_slots[held], use_staged=False)
+        old_scores, _, ok = tier.fetch(ids.cpu()[held], ssd_slots[held], use_staged=False)
         held, old_scores = held[ok], old_scores[ok].to(self.device)
-        self._reserve(ids.numel())
-        store.remove(ssd_slots[held])
+        self.reserve_batch(ids.numel())
+        tier.remove(ssd_slots[held])
         held = held.to(self.device)
         given = values
         values = values.clone()
@@ -340,7 +366,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
         memory_scores[held] = held_scores
         memory_scores = memory_scores[left].cpu()
         rows = torch.cat([weights[left], state[left]], dim=1).cpu()
-        store.put(ids[left].cpu(), memory_scores, self._ssd_scores(memory_scores), rows)
+        tier.put(ids[left].cpu(), memory_scores, self._ssd_scores(memory_scores), rows)
         return result.slots
 
     def find(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -351,9 +377,9 @@ class TieredKVTable(KVTable, serves_ssd=True):
             return rows, found
         missing = (~found).nonzero().squeeze(1)
         uniq, inverse = torch.unique(ids[missing], return_inverse=True)
-        ssd_slots = self._store.lookup(uniq.cpu())
+        ssd_slots = self._tier.lookup(uniq.cpu())
         held = (ssd_slots >= 0).nonzero().squeeze(1)
-        _, ssd_rows, ok = self._store.fetch(uniq.cpu()[held], ssd_slots[held], use_staged=False)
+        _, ssd_rows, ok = self._tier.fetch(uniq.cpu()[held], ssd_slots[held], use_staged=False)
         got = torch.zeros(uniq.numel(), dtype=torch.bool)
         got[held[ok]] = True
         uniq_rows = torch.zeros(uniq.numel(), self.dim, dtype=rows.dtype)
@@ -367,9 +393,9 @@ class TieredKVTable(KVTable, serves_ssd=True):
 
     def export(self, route_buckets: int | None = None) -> dict[str, torch.Tensor]:
         """``KVTable.export`` over both tiers."""
-        self._settle()
+        self.settle()
         memory = super().export()
-        ssd_ids, ssd_scores, ssd_rows = self._store.export()
+        ssd_ids, ssd_scores, ssd_rows = self._tier.export()
         ids, order = torch.sort(torch.cat([memory["ids"], ssd_ids.to(self.device)]))
         if route_buckets is not None:
             by_bucket = torch.sort(route_bucket(ids, route_buckets), stable=True).indices
@@ -410,9 +436,9 @@ class TieredKVTable(KVTable, serves_ssd=True):
         """Remove every id from both tiers, and the admission counts."""
         super().clear()
         self._pad.release()
-        if self._store.size:
-            ids = self._store.export()[0]
-            self._store.remove(self._store.lookup(ids))
+        if self._tier.size:
+            ids = self._tier.export()[0]
+            self._tier.remove(self._tier.lookup(ids))
 
     def prefetch(self, ids: torch.Tensor) -> None:
         """Start reading, on a background thread, the SSD rows of ids a coming lookup
@@ -420,7 +446,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
         still current."""
         ids = check_ids(self.name, ids).to(self.device)
         uniq = torch.unique(ids)
-        self._store.prefetch(uniq[self.index.probe(uniq) < 0].cpu())
+        self._tier.prefetch(uniq[self.index.probe(uniq) < 0].cpu())
 
     # ------------------------------------------------------------ durability
     def flush(self) -> None:
@@ -437,21 +463,21 @@ class TieredKVTable(KVTable, serves_ssd=True):
         rows = self.rows_at(slots)
         rows = torch.cat([rows, pad_rows.to(rows.dtype)])
         meta = {"step": self.step, "optim_step": self.optim_step}
-        self._store.flush(ids.cpu(), scores.cpu(), rows.cpu(), meta)
+        self._tier.flush(ids.cpu(), scores.cpu(), rows.cpu(), meta)
 
     def close(self) -> None:
         """``flush()``, then close the SSD tier's files (a no-op when closed already).
         The table cannot be used afterwards."""
-        if self._store.closed:
+        if self._tier.closed:
             return
-        self._settle()
+        self.settle()
         self.flush()
-        self._store.close()
+        self._tier.close()
 
     def reserve(self, n: int) -> None:
         """Room on disk for ``n`` rows before anything changes (a full disk raises
         ``KVStorageError`` here)."""
-        self._store.reserve(n)
+        self._tier.reserve(n)
 
     # ------------------------------------------------------------- internals
     def _ssd_scores(self, memory_scores: torch.Tensor) -> torch.Tensor:
@@ -463,62 +489,23 @@ class TieredKVTable(KVTable, serves_ssd=True):
             return memory_scores
         return torch.full_like(memory_scores, self.step)  # LRU over another policy: demotion time
 
-    def _settle(self) -> None:
-        """Write the scratch rows of the last training batch (trained by its backward
-        since) to the SSD tier. A full disk raises here, and they stay in the pad."""
-        if not self._pad.pending:
-            return
-        ids, scores, rows = self._pad.pending_rows()
-        self._reserve(ids.numel())
-        self._store.put(ids.cpu(), scores.cpu(), self._ssd_scores(scores).cpu(), rows.cpu())
-        self._pad.release()
-
     def _begin_batch(self) -> None:
         """A lookup's batch begins: the scratch rows of the last one are written back,
         and the pad starts over (a group's pad: when the group's batch begins)."""
-        self._settle()
+        self.settle()
         self._pad.begin_batch()
-
-    def _reserve(self, n: int) -> None:
-        """Room in the slab for ``n`` rows, before anything in memory changes (a
-        full disk raises here); flushes first when that frees enough records. Room
-        for a flush's snapshot of the memory rows is kept free beside them (why: a
-        flush cannot free records before it has written that snapshot, so a slab
-        without that room grew by half at every periodic flush: 1.7x the bound of
-        docs/ssd-tier.md in a soak)."""
-        n += self.capacity + self._pad.pending
-        if self._store.needs_flush(n):
-            self.flush()
-        self._store.reserve(n)
 
     def _scores_before(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The scores of the buckets of ``ids``, kept to know evicted rows' scores."""
         buckets = torch.unique(self.index.buckets_of(ids))
         return buckets, self.index.scores.index_select(0, buckets)
 
-    def _demote(
-        self,
-        evicted_ids: torch.Tensor,
-        evicted_slots: torch.Tensor,
-        memory_scores: torch.Tensor,
-    ) -> None:
-        """Write the rows evicted from memory, with their in-memory scores, to the SSD
-        tier (call before their slots are refilled)."""
-        if evicted_ids.numel() == 0:
-            return
-        memory_scores = memory_scores.cpu()
-        rows = self.rows_at(evicted_slots)
-        self._store.put(
-            evicted_ids.cpu(), memory_scores, self._ssd_scores(memory_scores), rows.cpu()
-        )
-        self.count("demotions", evicted_ids.numel())
-
     def _demote_evicted(
         self, result: InsertResult, before: tuple[torch.Tensor, torch.Tensor]
     ) -> None:
-        """``_demote`` of an insert's evictions, their scores taken from ``before``
+        """``demote`` of an insert's evictions, their scores taken from ``before``
         (``_scores_before`` of the insert's ids)."""
-        self._demote(
+        self.demote(
             result.evicted_ids, result.evicted_slots, _scores_at(before, result.evicted_slots)
         )
 
@@ -528,15 +515,40 @@ class TieredKVTable(KVTable, serves_ssd=True):
         self.count("ssd_hits", ssd_hits)
         self.count("ssd_misses", int(counts[miss].sum()) - ssd_hits)
 
-    def _fetch(
+    # ------------------------------------------- a batch's steps over the tier
+    def settle(self) -> None:
+        """Write the scratch rows of the last training batch (trained by its backward
+        since) to the SSD tier. A full disk raises here, and they stay in the pad."""
+        if not self._pad.pending:
+            return
+        ids, scores, rows = self._pad.pending_rows()
+        self.reserve_batch(ids.numel())
+        self._tier.put(ids.cpu(), scores.cpu(), self._ssd_scores(scores).cpu(), rows.cpu())
+        self._pad.release()
+
+    def reserve_batch(self, n: int) -> None:
+        """Room in the lower tier for the ``n`` rows a batch may write, before anything
+        in memory changes (a full disk raises here); flushes first when the tier
+        asks for it (``LowerTier.needs_flush``). Room for a flush's snapshot of the
+        memory rows is kept free beside them (why: a flush cannot free records
+        before it has written that snapshot, so a slab without that room grew by
+        half at every periodic flush: 1.7x the bound of docs/ssd-tier.md in a
+        soak)."""
+        n += self.capacity + self._pad.pending
+        if self._tier.needs_flush(n):
+            self.flush()
+        self._tier.reserve(n)
+
+    def fetch_lower(
         self, uniq: torch.Tensor, miss: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """SSD rows of ``uniq[miss]``: ``(positions in uniq, SSD slots, memory
-        scores, rows [k, dim + state_dim])`` of those the tier holds intact."""
+        """The lower tier's rows of ``uniq[miss]`` (unique ids): ``(positions in uniq,
+        tier slots, memory scores, rows [k, dim + state_dim])`` of those it holds
+        intact, on the table's device. They stay in the tier until ``tier.remove``."""
         miss_ids = uniq[miss].cpu()
-        ssd_slots = self._store.lookup(miss_ids)
+        ssd_slots = self._tier.lookup(miss_ids)
         held = (ssd_slots >= 0).nonzero().squeeze(1)
-        scores, rows, ok = self._store.fetch(miss_ids[held], ssd_slots[held])
+        scores, rows, ok = self._tier.fetch(miss_ids[held], ssd_slots[held])
         held = held[ok]
         found = miss[held.to(miss.device)]
         return (
@@ -546,8 +558,45 @@ class TieredKVTable(KVTable, serves_ssd=True):
             rows[ok].to(self.device),
         )
 
-    def _promote(self, slots: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> None:
-        """Rows fetched from the SSD tier take their new memory ``slots``."""
+    def demote(
+        self,
+        evicted_ids: torch.Tensor,
+        evicted_slots: torch.Tensor,
+        memory_scores: torch.Tensor,
+    ) -> None:
+        """Write the rows evicted from memory at ``evicted_slots``, with their in-memory
+        scores, to the lower tier (call before their slots are refilled; after
+        ``reserve_batch``)."""
+        if evicted_ids.numel() == 0:
+            return
+        memory_scores = memory_scores.cpu()
+        rows = self.rows_at(evicted_slots)
+        self._tier.put(
+            evicted_ids.cpu(), memory_scores, self._ssd_scores(memory_scores), rows.cpu()
+        )
+        self.count("demotions", evicted_ids.numel())
+
+    def promote(
+        self, slots: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor | None = None
+    ) -> None:
+        """Rows fetched from the lower tier (``fetch_lower``) take their new memory
+        ``slots``, with their memory ``scores`` (None: the index holds them already,
+        as after the native lookup)."""
         self.set_rows(slots, rows)
-        self.index.set_scores(slots, scores)
+        if scores is not None:
+            self.index.set_scores(slots, scores)
         self.count("promotions", slots.numel())
+
+    def write_scratch(
+        self,
+        rows: torch.Tensor,
+        ids: torch.Tensor | None = None,
+        scores: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Put ``rows [n, dim + state_dim]`` in scratch rows for this batch; their slots
+        (``TablePad.write``). With ``ids`` (sorted) and their memory ``scores`` the
+        rows are written to the lower tier at the table's next call (``settle``);
+        without, they are a read-only copy. Counted in ``scratch_rows``."""
+        slots = self._pad.write(rows, ids, scores)
+        self._scratch_rows += rows.shape[0]
+        return slots

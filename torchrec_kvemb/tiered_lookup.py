@@ -5,20 +5,27 @@ arrays (``KVTableGroup`` of tiered tables), is looked up by one call of the
 native group kernel per step, whatever the number of tables:
 
 1. per table, the batch's ids not in memory are looked up in its SSD tier and
-   their rows read (``TieredKVTable._fetch``), and room on disk is reserved;
+   their rows read (``TieredKVTable.fetch_lower``), and room on disk is reserved
+   (``reserve_batch``); then every table's step clock advances
+   (``KVTable.advance_step``);
 2. one ``native.lookup_train_group`` with those ids as promotions
    (``native.TierPromotion``, table by table): it writes no row;
-3. per table, rows evicted from memory are demoted to its SSD tier, promoted
-   rows take their memory slots, new rows get their initial values, and ids
-   without a memory row (a bucket full of the batch's ids) get scratch rows
-   (``ssd/scratch.py``).
+3. per table, rows evicted from memory are demoted to its SSD tier (``demote``),
+   promoted rows leave the tier (``tier.remove``) and take their memory slots
+   (``promote``), new rows get their initial values, and ids without a memory
+   row (a bucket full of the batch's ids) get scratch rows (``write_scratch``,
+   ``ssd/scratch.py``).
+
+Only public methods of the tables and of their tiers (``tier.LowerTier``) are
+used: the tables are ``TieredKVTable``s (typed by their base, ``KVTable``:
+``tiered`` imports this module).
 
 The per-table steps are batched calls on each table's SSD store (each table
 keeps its own files), run for two tables at once on threads (``TIER_THREADS``);
 the kernel, the pooled forward and the fused backward are one pass for the
 group. The torch path (``TieredKVTable.lookup_train``,
 table by table) is the reference this is tested against
-(tests/ssd/test_tier_backends.py, tests/ssd/test_tiered_group.py).
+(tests/ssd/test_tier_backends.py, tests/test_tiered_lookup.py).
 
 Example::
 
@@ -56,7 +63,7 @@ class _Fetched:
     def __init__(self, table: KVTable, ids: torch.Tensor) -> None:
         stored = dispatch.probe(table.index.keys, ids) >= 0
         miss_ids = torch.unique(ids[~stored])
-        found, self.ssd_slots, self.scores, self.rows = table._fetch(
+        found, self.ssd_slots, self.scores, self.rows = table.fetch_lower(
             miss_ids, torch.arange(miss_ids.numel())
         )
         self.ids = miss_ids[found]  # ascending, as the kernel wants them
@@ -101,18 +108,21 @@ def lookup_train_tiers(
     """``lookup_train`` of ``tables`` (``TieredKVTable``s, sharing ``storage``: table
     ``t``'s rows from ``row_offsets[t]`` on) for ``ids`` with ``table_idx`` (-1: not
     theirs), by the native kernel (see the module docstring). Every table has
-    written its scratch rows back and the pad has begun the batch. Returns global
-    slots and each id's unique row."""
+    written its scratch rows back and the pad has begun the batch. ``steps [T]``:
+    the tables' step clocks (a row of ``KVTableGroup.clocks``, or a lone table's
+    ``clock[0:1]``: views of each table's ``clock``), which each table advances
+    once the disk has room. Returns global slots and each id's unique row."""
     T = len(tables)
     ids = ids.contiguous()
 
     def fetch(t: int) -> _Fetched:
         fetched = _Fetched(tables[t], ids[table_idx == t] if T > 1 else ids)
-        tables[t]._reserve(fetched.misses)  # every eviction makes room for a missed id
+        tables[t].reserve_batch(fetched.misses)  # every eviction makes room for a missed id
         return fetched
 
     fetched = _per_table(fetch, T)
-    steps.add_(1)  # every table's clock (``KVTable.clock``: ``steps`` is their row)
+    for table in tables:  # ``steps`` is their clocks' step row: the kernel reads it
+        table.advance_step()
     counter = None
     if layout.has_admission:
         counter = native.CounterIndex(storage.counter_keys, storage.counter_scores, storage.counts)
@@ -168,15 +178,14 @@ def lookup_train_tiers(
             table.count(name, value)
         table.count("ssd_hits", promoted_occ[t])
         table.count("ssd_misses", metrics[t][1] - promoted_occ[t])
-        table._store.remove(f.ssd_slots)  # every promotion leaves the tier: memory or scratch
+        table.tier.remove(f.ssd_slots)  # every promotion leaves the tier: memory or scratch
         gone = (ev_owner == t).nonzero().squeeze(1) if ev_owner is not None else slice(None)
-        table._demote(
+        table.demote(
             out.evicted_ids[gone], out.evicted_slots[gone] - offset, out.evicted_scores[gone]
         )
         moved = (mine & from_ssd & (out.unique_slots >= 0)).nonzero().squeeze(1)
         at = torch.searchsorted(f.ids, out.unique_ids[moved])
-        table.set_rows(out.unique_slots[moved] - offset, f.rows[at])
-        table.count("promotions", moved.numel())
+        table.promote(out.unique_slots[moved] - offset, f.rows[at])  # scores: the kernel's
         fresh = (mine & new).nonzero().squeeze(1)
         table.init_rows_at(out.unique_slots[fresh] - offset, out.unique_ids[fresh])
         pad = (mine & no_room).nonzero().squeeze(1)
@@ -196,10 +205,8 @@ def lookup_train_tiers(
             continue
         any_pad = True
         pad, pad_ids, pad_rows = padded
-        table = tables[t]
-        local = table._pad.write(pad_rows, pad_ids, out.unique_scores[pad])
+        local = tables[t].write_scratch(pad_rows, pad_ids, out.unique_scores[pad])
         slots_u[pad] = local + row_offsets[t]
-        table._store.counters["scratch_rows"] += pad.numel()
     if not any_pad:
         return GroupLookup(out.slots, unique_index, out.unique_slots, owner)
     slots = torch.where(theirs, slots_u[unique_index.clamp(min=0)], -1)

@@ -7,7 +7,8 @@
 * ``estimate``: memory and disk a table will use.
 
 A table uses it through ``torchrec_kvemb.tiered.TieredKVTable``, turned on per
-table with ``KVTableOptions(ssd=SSDOptions(path=...))``; see docs/ssd-tier.md.
+table with ``KVTableOptions(ssd=SSDOptions(path=...))``, and only through the
+lower-tier contract (``torchrec_kvemb.tier.LowerTier``); see docs/ssd-tier.md.
 """
 
 from torchrec_kvemb.ssd.estimate import storage_estimate

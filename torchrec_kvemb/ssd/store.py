@@ -1,5 +1,9 @@
 """``SSDStore``: one table shard's rows on disk, an id index in memory over a slab file.
 
+It is the table's lower tier: it implements :class:`~torchrec_kvemb.tier.LowerTier`
+(docs/ssd-tier.md, "The lower-tier contract"), and the table uses nothing else
+of it.
+
 Files, one pair per table and rank, in ``SSDOptions.path``::
 
     <table>.rank<r>.slab     the records (see ``slab.py``)
@@ -23,7 +27,7 @@ records, fsyncs the slab, then writes the index (the SSD rows, the memory
 rows, the table's counters) to ``.index.tmp``, fsyncs it, renames it over
 ``.index`` and fsyncs the directory. Reopening the path loads that index.
 
-Why one file of some 520 lines: one class whose index, slab records and flush
+Why one file of some 550 lines: one class whose index, slab records and flush
 protocol must stay consistent with each other at every step (the copy-on-write
 rule above); the slab format (``slab.py``) and the index (``slot_index.py``)
 are already modules of their own.
@@ -32,7 +36,7 @@ Example::
 
     tier = SSDStore("user", dim=8, state_dim=1, options=SSDOptions("/mnt/ssd"), rank=0)
     tier.reserve(2)
-    tier.put(ids, memory_scores, ssd_scores, rows)      # rows [2, 9]: weights + state
+    tier.put(ids, memory_scores, tier_scores, rows)     # rows [2, 9]: weights + state
     slots = tier.lookup(ids)
     scores, rows, ok = tier.fetch(ids, slots)
 """
@@ -55,6 +59,7 @@ from torchrec_kvemb.options import WAYS, EvictionPolicy, SSDOptions
 from torchrec_kvemb.ssd.prefetch import Prefetcher
 from torchrec_kvemb.ssd.slab import KVStorageError, Slab, fsync_fd, fsync_path, storage_error
 from torchrec_kvemb.ssd.slot_index import INITIAL_BUCKETS, SlotIndex
+from torchrec_kvemb.tier import TIER_COUNTERS, LowerTier, RestoredRows
 
 INDEX_FORMAT = 1
 #: Records the slab grows by at least, and half its size (why: each growth maps
@@ -62,18 +67,6 @@ INDEX_FORMAT = 1
 MIN_GROWTH = 1024
 #: Bytes of memory per slab record (free-list entry, write generation, durable flag).
 BOOKKEEPING_BYTES_PER_RECORD = 17
-
-COUNTERS = (
-    "ssd_reads",
-    "ssd_writes",
-    "ssd_bytes_read",
-    "ssd_bytes_written",
-    "ssd_evictions",
-    "ssd_corrupt",
-    "ssd_prefetch_hits",
-    "ssd_flushes",
-    "scratch_rows",
-)
 
 
 def default_rank() -> int:
@@ -99,8 +92,9 @@ class Restored:
     meta: dict[str, Any]
 
 
-class SSDStore:
-    """One table shard's SSD tier (see the module docstring).
+class SSDStore(LowerTier):
+    """One table shard's SSD tier (see the module docstring): the table's
+    :class:`~torchrec_kvemb.tier.LowerTier` on disk.
 
     Rows are ``[n, dim + state_dim]`` float32 (weights, then optimizer state);
     each row also keeps its in-memory eviction score. Ids passed to ``put`` and
@@ -129,7 +123,7 @@ class SSDStore:
             io_threads=options.io_threads,
             fresh=not options.resume,
         )
-        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.counters = dict.fromkeys(TIER_COUNTERS, 0)
         self.restored: Restored | None = None
         self._prefetcher = Prefetcher(table)
         self._closed = False
@@ -223,6 +217,10 @@ class SSDStore:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def metrics(self) -> dict[str, int]:
+        """The tier's counters (``tier.TIER_COUNTERS``) since it was opened."""
+        return dict(self.counters)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -331,27 +329,27 @@ class SSDStore:
         self,
         ids: torch.Tensor,
         memory_scores: torch.Tensor,
-        ssd_scores: torch.Tensor,
+        tier_scores: torch.Tensor,
         rows: torch.Tensor,
     ) -> None:
         """Store ``rows`` of ``ids`` (with their in-memory ``memory_scores``), ranked
-        for the tier's eviction by ``ssd_scores``. Call ``reserve(len(ids))`` first
+        for the tier's eviction by ``tier_scores``. Call ``reserve(len(ids))`` first
         where an I/O error must not leave the caller half done."""
         self._check_open()
         if ids.numel() == 0:
             return
         self.reserve(ids.numel())
-        stored, slots, old = self._index_insert(ids, ssd_scores)
+        stored, slots, old = self._index_insert(ids, tier_scores)
         records = self._alloc(slots.numel())
         self._write(records, ids[stored], memory_scores[stored], rows[stored])
         self._index.set_records(slots, records)
         self._release(old[old >= 0])
 
-    def adopt(self, ids: torch.Tensor, ssd_scores: torch.Tensor, records: torch.Tensor) -> None:
+    def adopt(self, ids: torch.Tensor, tier_scores: torch.Tensor, records: torch.Tensor) -> None:
         """Store ids whose rows are already in the slab at ``records``."""
         if ids.numel() == 0:
             return
-        stored, slots, old = self._index_insert(ids, ssd_scores)
+        stored, slots, old = self._index_insert(ids, tier_scores)
         self._index.set_records(slots, records[stored])
         self._release(old[old >= 0])
         self._release(records[~stored])
@@ -425,16 +423,24 @@ class SSDStore:
         scores, rows, ok = self.fetch(ids, slots, use_staged=False)
         return ids[ok], scores[ok], rows[ok]
 
-    def read_restored(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The previous run's in-memory rows: ``(ids, records, memory scores, rows)``;
-        corrupt ones are counted and left out."""
+    def read_restored(self) -> RestoredRows | None:
+        """The previous run's in-memory rows, read from their records (None: the index
+        named none); corrupt ones are counted and left out."""
         restored = self.restored
+        if restored is None:
+            return None
         block, ok = self._read(restored.records, restored.ids)
         bad = restored.records[~ok]
         if bad.numel():
             self.counters["ssd_corrupt"] += bad.numel()
             self._release(bad)
-        return restored.ids[ok], restored.records[ok], block[ok, 1], self.slab.rows(block[ok])
+        return RestoredRows(
+            restored.meta,
+            restored.ids[ok],
+            restored.records[ok],
+            block[ok, 1],
+            self.slab.rows(block[ok]),
+        )
 
     # ----------------------------------------------------------- durability
     def flush(
