@@ -1,5 +1,6 @@
 """The package's structure: every module imports on its own, no module imports a
-private name of another, and the import graph has no cycle.
+private name of another or reaches a private attribute another module defines,
+and the import graph has no cycle.
 
 The graph is the one Python follows at import time: an edge for every
 ``import`` / ``from ... import`` of the package (module level and inside
@@ -57,6 +58,65 @@ def imports_of(name: str) -> list[tuple[str, str | None, int]]:
             if _ours(source):
                 out += [(source, a.name, node.lineno) for a in node.names]
     return out
+
+
+def private_definitions(name: str) -> set[str]:
+    """The private names (``_x``, not dunders) module ``name`` defines: its functions,
+    classes and methods, names assigned at module or class level, and attributes
+    assigned as ``self._x = ...`` / ``cls._x = ...`` (annotated, augmented or
+    unpacked assignments included)."""
+    tree = ast.parse(MODULES[name].read_text(), str(MODULES[name]))
+    names: set[str] = set()
+
+    def targets(node: ast.AST) -> list[ast.AST]:
+        if isinstance(node, ast.Assign):
+            return node.targets
+        if isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            return [node.target]
+        return []
+
+    scopes = [tree.body, *(n.body for n in ast.walk(tree) if isinstance(n, ast.ClassDef))]
+    for body in scopes:  # module and class level: plain names
+        for statement in body:
+            for target in targets(statement):
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        for target in targets(node):
+            for sub in ast.walk(target):
+                if (
+                    isinstance(sub, ast.Attribute)
+                    and isinstance(sub.value, ast.Name)
+                    and sub.value.id in ("self", "cls")
+                ):
+                    names.add(sub.attr)
+    return {n for n in names if _private(n)}
+
+
+def private_accesses(name: str) -> list[tuple[str, int, str]]:
+    """``(attribute, line, expression)`` of every ``x._name`` in module ``name`` whose
+    object is not ``self``, ``cls`` or ``super()`` (dunders left out)."""
+    tree = ast.parse(MODULES[name].read_text(), str(MODULES[name]))
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not _private(node.attr):
+            continue
+        value = node.value
+        if isinstance(value, ast.Name) and value.id in ("self", "cls"):
+            continue
+        if (
+            isinstance(value, ast.Call)
+            and isinstance(value.func, ast.Name)
+            and value.func.id == "super"
+        ):
+            continue
+        out.append((node.attr, node.lineno, ast.unparse(node)))
+    return out
+
+
+def _private(attr: str) -> bool:
+    return attr.startswith("_") and not (attr.startswith("__") and attr.endswith("__"))
 
 
 def _ours(module: str) -> bool:
@@ -185,6 +245,24 @@ def test_no_module_imports_a_private_name_of_another():
         and not imported.startswith("__")
         and _existing(source) != name
     ]
+    assert not found, "\n".join(found)
+
+
+def test_no_module_reaches_a_private_attribute_another_defines():
+    """``x._name`` where ``_name`` is not the accessing module's own but another
+    module of the package defines it (a method, or ``self._name = ...``): one
+    module reaching into another's objects. Names the package does not define
+    (torch's and TorchRec's private methods a subclass overrides, NamedTuple's
+    ``_replace``) are the frameworks' and pass."""
+    defined = {name: private_definitions(name) for name in MODULES}
+    found = []
+    for name in MODULES:
+        for attr, line, text in private_accesses(name):
+            if attr in defined[name]:
+                continue
+            owners = sorted(other for other, names in defined.items() if attr in names)
+            if owners:
+                found.append(f"{name}:{line} {text} ({attr} is defined in {', '.join(owners)})")
     assert not found, "\n".join(found)
 
 
