@@ -37,12 +37,6 @@ from torchrec_kvemb.validation import KVInputError, check_ids, check_rows
 __all__ = ["KVTable", "TableStorage", "bytes_per_row", "resolve_capacity"]
 
 
-def clock_device(device: torch.device) -> torch.device:
-    """Where a table's clocks live: its device (the kernels read them there), the CPU
-    for a table on ``meta`` (which holds no rows, but counts its steps)."""
-    return torch.device("cpu") if device.type == "meta" else device
-
-
 def max_per_unique(
     scores: torch.Tensor | None, inverse: torch.Tensor, num_unique: int
 ) -> torch.Tensor | None:
@@ -156,7 +150,7 @@ class KVTable:
         #: optimizer steps so far (Adam's bias correction). The one place they live: a
         #: group's tables hold views of the group's ``clocks [2, T]``, which its ops
         #: advance (``KVTableGroup``); ``step`` and ``optim_step`` read and set them.
-        self.clock = torch.zeros(2, dtype=torch.int64, device=clock_device(self.device))
+        self.clock = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._metrics = dict.fromkeys(METRIC_NAMES, 0)
         #: Counters a grouped lookup adds on the device (``METRIC_NAMES`` order), or None.
         self.device_metrics: torch.Tensor | None = None
@@ -164,8 +158,9 @@ class KVTable:
     # ----------------------------------------------------------------- clocks
     @property
     def step(self) -> int:
-        """Training lookups so far: the LRU clock, a new row's score."""
-        return int(self.clock[0])
+        """Training lookups so far: the LRU clock, a new row's score (0 on ``meta``,
+        where a table holds nothing and looks nothing up)."""
+        return 0 if self.clock.is_meta else int(self.clock[0])
 
     @step.setter
     def step(self, value: int) -> None:
@@ -173,8 +168,8 @@ class KVTable:
 
     @property
     def optim_step(self) -> int:
-        """Optimizer steps so far (Adam's bias correction)."""
-        return int(self.clock[1])
+        """Optimizer steps so far (Adam's bias correction; 0 on ``meta``)."""
+        return 0 if self.clock.is_meta else int(self.clock[1])
 
     @optim_step.setter
     def optim_step(self, value: int) -> None:
