@@ -6,7 +6,10 @@
 // occurrences in ascending order (the order the sum is taken in, for any
 // thread count), then threads take ranges of uniques; every row is written
 // by one thread only. Float ops follow ops/optimizer_update.py's order, in
-// float32 with Python scalars rounded to float32 as torch does.
+// float32 with Python scalars rounded to float32 as torch does. Float16 and
+// bfloat16 rows are read to float32, take the same float32 update, and are
+// stored rounded to nearest even (row_dtype.h), as the torch path's
+// `.to(weights.dtype)` stores them.
 #include <algorithm>
 #include <cmath>
 #include <new>
@@ -14,6 +17,7 @@
 
 #include "kvemb_native.h"
 #include "parallel.h"
+#include "row_dtype.h"
 #include "workspace.h"
 
 namespace kvemb {
@@ -32,6 +36,25 @@ inline void prefetch_bytes(const void* p, int64_t bytes, bool write) {
     } else {
       __builtin_prefetch(c + b, 0);
     }
+  }
+}
+
+int64_t element_bytes(int64_t dtype) { return dtype == KV_ROWS_FLOAT32 ? 4 : 2; }
+
+// A half-precision row to float32 (exact), and back rounded to nearest even.
+void read_row(int64_t dtype, const uint16_t* row, float* out, int64_t dim) {
+  if (dtype == KV_ROWS_FLOAT16) {
+    for (int64_t d = 0; d < dim; ++d) out[d] = half_bits_to_float(row[d]);
+  } else {
+    for (int64_t d = 0; d < dim; ++d) out[d] = bfloat16_bits_to_float(row[d]);
+  }
+}
+
+void write_row(int64_t dtype, const float* values, uint16_t* row, int64_t dim) {
+  if (dtype == KV_ROWS_FLOAT16) {
+    for (int64_t d = 0; d < dim; ++d) row[d] = float_to_half_bits(values[d]);
+  } else {
+    for (int64_t d = 0; d < dim; ++d) row[d] = float_to_bfloat16_bits(values[d]);
   }
 }
 
@@ -139,22 +162,27 @@ int backward(const KvBackwardArgs& a, Arena& arena) {
   }
 
   const Optimizer optim(a);
+  const int64_t dtype = a.weights_dtype;
+  const bool half = dtype != KV_ROWS_FLOAT32;
+  char* const weights = static_cast<char*>(a.weights);
+  const int64_t weight_bytes = dim * element_bytes(dtype);
   const int64_t tasks = (U + kUniquesPerTask - 1) / kUniquesPerTask;
   const bool ok = parallel_for(tasks, a.num_threads, [&](int64_t task, int64_t) {
     std::vector<float> grad(static_cast<size_t>(dim));
-    const int64_t row_bytes = dim * 4, state_bytes = a.state_dim * 4;
+    std::vector<float> half_row(half ? static_cast<size_t>(dim) : 0);  // a half row, as float32
+    const int64_t grad_bytes = dim * 4, state_bytes = a.state_dim * 4;
     auto grad_row = [&](int64_t b) {
       return a.grad + (b / a.bags_per_group) * a.group_stride + (b % a.bags_per_group) * a.bag_stride;
     };
     for (int64_t u = task * kUniquesPerTask, end = std::min(U, u + kUniquesPerTask); u < end; ++u) {
       if (u + kRowsAhead < end && a.unique_slots[u + kRowsAhead] >= 0) {
         const int64_t ahead = a.unique_slots[u + kRowsAhead];
-        prefetch_bytes(a.weights + ahead * dim, row_bytes, true);
+        prefetch_bytes(weights + ahead * weight_bytes, weight_bytes, true);
         if (state_bytes) prefetch_bytes(a.state + ahead * a.state_dim, state_bytes, true);
       }
       if (u + 1 < end) {  // the next unique's first gradient rows (all of them for most)
         for (int64_t e = start[u + 1]; e < std::min(start[u + 2], start[u + 1] + 8); ++e) {
-          prefetch_bytes(grad_row(bag_of[e]), row_bytes, false);
+          prefetch_bytes(grad_row(bag_of[e]), grad_bytes, false);
         }
       }
       const int64_t slot = a.unique_slots[u];
@@ -171,8 +199,12 @@ int backward(const KvBackwardArgs& a, Arena& arena) {
         for (int64_t d = 0; d < dim; ++d) grad[d] += row[d] * scale;
       }
       const int64_t t = a.unique_table[u];
-      optim.step(a.weights + slot * dim, a.state + slot * a.state_dim, grad.data(), dim,
-                 a.learning_rate[t], a.optim_step[t]);
+      char* const row = weights + slot * weight_bytes;
+      float* const w = half ? half_row.data() : reinterpret_cast<float*>(row);
+      if (half) read_row(dtype, reinterpret_cast<const uint16_t*>(row), w, dim);
+      optim.step(w, a.state + slot * a.state_dim, grad.data(), dim, a.learning_rate[t],
+                 a.optim_step[t]);
+      if (half) write_row(dtype, w, reinterpret_cast<uint16_t*>(row), dim);
     }
   });
   return ok ? KV_OK : KV_OUT_OF_MEMORY;
@@ -183,6 +215,9 @@ int backward(const KvBackwardArgs& a, Arena& arena) {
 
 extern "C" int kv_fused_backward_group(const KvBackwardArgs* args) {
   if (!args || args->n < 0 || args->num_unique < 0 || args->dim < 1) return KV_BAD_ARGUMENT;
+  if (args->weights_dtype < KV_ROWS_FLOAT32 || args->weights_dtype > KV_ROWS_BFLOAT16) {
+    return KV_BAD_ARGUMENT;
+  }
   try {
     kvemb::ArenaLease lease(args->workspace ? &args->workspace->arena : nullptr,
                             args->workspace ? &args->workspace->busy : nullptr);

@@ -17,7 +17,7 @@ extern "C" {
 
 // Bump on any change of a signature or struct below; native.py refuses a
 // library whose version differs (a stale build).
-#define KV_ABI_VERSION 5
+#define KV_ABI_VERSION 6
 
 enum KvStatus {
   KV_OK = 0,
@@ -153,11 +153,17 @@ enum KvUniqueFlag {
 
 int kv_lookup_train_group(const KvTrainArgs* args);
 
+// Row dtypes of KvBackwardArgs.weights_dtype.
+enum KvRowDtype { KV_ROWS_FLOAT32 = 0, KV_ROWS_FLOAT16 = 1, KV_ROWS_BFLOAT16 = 2 };
+
 // Gradient reduction over a training lookup's unique rows, then one
-// optimizer step per row, in place.
+// optimizer step per row, in place. Half-precision rows are read to float32,
+// updated in float32 as float32 rows are, and stored rounded to nearest even
+// (row_dtype.h); the optimizer state is float32 whatever the rows.
 typedef struct KvBackwardArgs {
-  float* weights;  // [rows, dim]
-  float* state;    // [rows, state_dim]
+  void* weights;          // [rows, dim] of weights_dtype
+  int64_t weights_dtype;  // KvRowDtype
+  float* state;           // [rows, state_dim]
   int64_t num_rows;
   int64_t dim;
   int64_t state_dim;

@@ -35,7 +35,7 @@ from torchrec_kvemb.validation import KVInputError
 #: The shared library's extension name (setup.py builds csrc/ into it).
 LIBRARY = "torchrec_kvemb._kvemb_native"
 #: Must equal KV_ABI_VERSION in csrc/kvemb_native.h.
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 _OK, _BAD_TABLE, _NEGATIVE_ID, _OUT_OF_MEMORY, _BAD_ARGUMENT = range(5)
 
@@ -109,6 +109,7 @@ class BackwardArgs(ctypes.Structure):
 
     _fields_ = [
         ("weights", _PTR),
+        ("weights_dtype", _I64),
         ("state", _PTR),
         ("num_rows", _I64),
         ("dim", _I64),

@@ -12,7 +12,7 @@ lookup_train_group  native (``csrc/lookup_train.cpp``)         Triton (``group_l
 lookup_eval_group   native (``csrc/lookup_eval.cpp``)          Triton (``group_lookup``)
 pooled_forward      torch path (``embedding_bag`` by slot)     Triton (``group_pooled``)
 rows_forward        torch path (``index_select`` by slot)      Triton (``group_pooled``)
-fused_backward      native (float32 rows); torch path (half)   Triton (``group_pooled``)
+fused_backward      native (``csrc/fused_backward.cpp``)       Triton (``group_pooled``)
 ==================  =========================================  ===========================
 
 Every kernel gives, table by table, what the per-table torch path gives (the
@@ -33,12 +33,7 @@ from torchrec_kvemb.contracts import KERNEL_METRICS, Bags, GroupLayout
 from torchrec_kvemb.library.registry import define
 from torchrec_kvemb.native_lib import Workspace
 from torchrec_kvemb.ops import native
-from torchrec_kvemb.ops.optimizer_update import optimizer_update_torch
-from torchrec_kvemb.ops.pooled_lookup import (
-    group_pooled_backward_torch,
-    group_pooled_forward_torch,
-    group_rows_forward_torch,
-)
+from torchrec_kvemb.ops.pooled_lookup import group_pooled_forward_torch, group_rows_forward_torch
 from torchrec_kvemb.optimizer import FusedOptimConfig, OptimKind, WeightDecay
 
 Tensor = torch.Tensor
@@ -482,22 +477,13 @@ def _fused_backward_cpu(
     rates = learning_rates.tolist()
     config = optim_config(kind, eps, beta1, beta2, weight_decay, weight_decay_mode,
                           gradient_clipping, max_gradient, rates[0])  # fmt: skip
-    if weights.dtype == torch.float32:
-        native.fused_backward_group(
-            weights, state, grad, offsets, unique_index, unique_slots, unique_table, config,
-            learning_rate=rates, optim_step=optim_steps, per_sample_weights=scale,
-            num_threads=torch.get_num_threads(), workspace=workspace(),
-        )  # fmt: skip
-        return
-    # Half-precision rows: the torch path, table by table, over the stored rows.
-    uniq, grads = group_pooled_backward_torch(grad, slots, Bags(offsets, bag_of, scale))
-    stored = (unique_slots >= 0).nonzero().squeeze(1)
-    by_slot, order = torch.sort(unique_slots[stored])
-    table = unique_table[stored][order][torch.searchsorted(by_slot, uniq)]
-    for t, (rate, step) in enumerate(zip(rates, optim_steps.tolist(), strict=True)):
-        mine = (table == t).nonzero().squeeze(1)
-        optimizer_update_torch(weights, state, uniq[mine], grads[mine],
-                               config.with_learning_rate(rate), step)  # fmt: skip
+    # Every row dtype: half-precision rows take the float32 update and are stored
+    # rounded to nearest even, as optimizer_update_torch stores them.
+    native.fused_backward_group(
+        weights, state, grad, offsets, unique_index, unique_slots, unique_table, config,
+        learning_rate=rates, optim_step=optim_steps, per_sample_weights=scale,
+        num_threads=torch.get_num_threads(), workspace=workspace(),
+    )  # fmt: skip
 
 
 def _fused_backward_cuda(
@@ -572,5 +558,5 @@ fused_backward = define(
     _fused_backward_cuda,
     _fused_backward_fake,
     mutates=("weights", "state", "optim_steps"),
-    cpu_name="native (float32 rows) / torch (half-precision rows)",
+    cpu_name="native",
 )

@@ -607,7 +607,17 @@ def fused_backward_group(
     ``[B, G * dim]`` viewed as ``.view(B, G, dim).transpose(0, 1)``).
     ``config`` gives the optimizer of the group; ``learning_rate`` and
     ``optim_step`` (Adam's bias correction, already advanced) are per table.
+    ``weights`` are float32, float16 or bfloat16 rows (``state`` float32): a
+    half-precision row takes the float32 update on its float32 value and is
+    stored rounded to nearest even, as ``optimizer_update_torch`` stores it.
     """
+    # KvRowDtype codes (csrc/kvemb_native.h).
+    row_dtype = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}.get(weights.dtype)
+    if row_dtype is None:
+        raise ValueError(
+            "fused_backward_group: weights must be float32, float16 or bfloat16, "
+            f"got {weights.dtype}"
+        )
     T = len(learning_rate) if not isinstance(learning_rate, torch.Tensor) else learning_rate.numel()
     rows = weights.shape[0] if weights.dim() == 2 else -1
     dim = weights.shape[1] if weights.dim() == 2 else -1
@@ -637,7 +647,8 @@ def fused_backward_group(
     lr = per_table(learning_rate, torch.float64, "learning_rate", T)
     steps = per_table(optim_step, torch.int64, "optim_step", T)
     args = BackwardArgs(
-        weights=tensor_ptr(weights, "weights", torch.float32, (rows, dim)),
+        weights=tensor_ptr(weights, "weights", weights.dtype, (rows, dim)),
+        weights_dtype=row_dtype,
         state=tensor_ptr(state, "state", torch.float32, (rows, state_dim)),
         num_rows=rows,
         dim=dim,
