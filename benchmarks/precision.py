@@ -6,9 +6,9 @@ Reports train ms/step and ids/s, each half-precision dtype's throughput as a
 ratio of float32's, and the bytes one row of capacity costs
 (``KVTable.memory_bytes() / capacity``: weights, optimizer state, index).
 
-On the CPU, float16 and bfloat16 groups take the torch path (the native
-kernels write float32 rows only), with FBGEMM's CPU backward for float16; the
-Triton kernels serve every dtype on a GPU.
+On the CPU the native kernels serve every row dtype (a half-precision row is
+read to float32, updated in float32, stored rounded to nearest even); the
+Triton kernels do the same on a GPU.
 
 Run from the repository root::
 

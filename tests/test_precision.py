@@ -5,10 +5,10 @@
   row-wise Adagrad / SGD steps.
 * bfloat16 (FBGEMM's CPU TBE has none) against a float32 KV table on the same
   batches, within the tolerance docs/precision.md documents.
-* Every backend on the same batches: Triton (under the interpreter) and
-  ``auto`` on the CPU (whose native kernels write float32 rows only: half-precision
-  groups take the torch path) against the torch path; ids and scores bit-exact,
-  float values within the rounding of their dtype (sums in another order).
+* Every backend on the same batches: Triton (under the interpreter) and the
+  native kernels (``auto`` on the CPU: lookup and fused backward for every row
+  dtype) against the torch path; ids and scores bit-exact, float values within
+  the rounding of their dtype (sums in another order).
 * Memory: half the weight bytes per row, in the table, the planner and the SSD
   estimate. Checkpoints record the dtype and convert (saying so) into another.
 """
@@ -205,8 +205,7 @@ def test_bf16_stays_close_to_float32(monkeypatch):
 
 def _spy_lookups(monkeypatch) -> collections.Counter:
     """Counts the training lookups that reach the native library and the Triton
-    kernels, by backend (both serve half-precision rows; the native backward
-    serves float32 rows only)."""
+    kernels, by backend (both serve half-precision rows)."""
     from torchrec_kvemb.kernels import group_lookup
 
     calls = collections.Counter()

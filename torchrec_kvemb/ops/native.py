@@ -11,7 +11,7 @@ Tables with admission own a range of a second index, the admission counter
 ``bucket_offset[t] + index_bucket(id, num_buckets[t])``.
 
 Every op gives, table by table, exactly what T calls of the per-table torch
-path give (``KVTable.lookup_eval`` / ``lookup_train``, ``apply_gradients``):
+path give (``KVTable.lookup_eval`` / ``lookup_train``, ``ops/pooled_lookup.py``):
 the same slots, keys, scores, rows, optimizer state, counters and metrics,
 for any ``num_threads``. Beside the group ops: one index's find-or-insert
 (``insert``) and placement (``place``), and the SSD tier's slab records
