@@ -359,10 +359,10 @@ def measure_kernels(config: GpuConfig, device: torch.device) -> tuple[list[Rate]
         group_lookup_train_triton,
     )
     from torchrec_kvemb.kernels.group_pooled import (
-        ROWWISE_ADAGRAD,
         group_fused_backward_triton,
         group_pooled_forward_triton,
     )
+    from torchrec_kvemb.optimizer import OptimKind
 
     group, stored = full_group(config, device)
     T = config.tables
@@ -411,7 +411,7 @@ def measure_kernels(config: GpuConfig, device: torch.device) -> tuple[list[Rate]
     def find_insert(call: int) -> None:
         group_lookup_train_triton(
             group.layout, s.keys, s.scores, s.weights, s.state, s.counter_keys,
-            s.counter_scores, s.counts, train_batch(call), table_idx, group.advance_clocks(),
+            s.counter_scores, s.counts, train_batch(call), table_idx, group.clocks[0].add_(1),
             group.metrics,
         )  # fmt: skip
 
@@ -425,8 +425,8 @@ def measure_kernels(config: GpuConfig, device: torch.device) -> tuple[list[Rate]
     def fused_bwd(i: int) -> None:
         group_fused_backward_triton(
             group.weights, group.state, grad_out, slots, slot_table, pooled_bags,
-            ROWWISE_ADAGRAD, lrs, ones, ones, optim.eps, optim.beta1, optim.beta2,
-            optim.weight_decay, False, False, False, optim.max_gradient,
+            OptimKind.ROWWISE_ADAGRAD.code, lrs, ones, ones, optim.eps, optim.beta1,
+            optim.beta2, optim.weight_decay, False, False, False, optim.max_gradient,
         )  # fmt: skip
 
     # One untimed call counts what a training lookup does (inserts, from the metrics).
