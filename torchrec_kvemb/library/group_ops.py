@@ -1,9 +1,9 @@
 """Ops of a group of KV tables (``torchrec_kvemb/group.py``): ``torch.ops.kvemb.
 {lookup_train_group, lookup_eval_group, pooled_forward, rows_forward, fused_backward}``.
 
-A group's layout travels as its tensors (``GroupLayout.tensors()``, then the
-``has_admission`` and ``has_normal`` flags); its arrays (``TableStorage``) as
-seven tensors, updated in place. Kernels:
+Each op's arguments are the fields of one ``NamedTuple`` below (its schema: a
+group's arrays, ``TableStorage``, updated in place; its layout as
+``GroupLayout.tensors()`` and two flags; the batch). Kernels:
 
 ==================  =========================================  ===========================
 op                  CPU                                        CUDA
@@ -17,7 +17,8 @@ fused_backward      native (``csrc/fused_backward.cpp``)       Triton (``group_p
 
 Every kernel gives, table by table, what the per-table torch path gives (the
 reference; tests hold them to it): ids, slots, scores and counters bit for bit,
-rows to float tolerance.
+rows to float tolerance. The lookup advances each table's clock (``step``) and
+the backward each table's optimizer step (``optim_steps``), in place.
 
 Example::
 
@@ -26,11 +27,12 @@ Example::
 """
 
 import threading
+from typing import NamedTuple
 
 import torch
 
 from torchrec_kvemb.contracts import KERNEL_METRICS, Bags, GroupLayout
-from torchrec_kvemb.library.registry import define
+from torchrec_kvemb.library.registry import define, schema
 from torchrec_kvemb.native_lib import Workspace
 from torchrec_kvemb.ops import native
 from torchrec_kvemb.ops.pooled_lookup import group_pooled_forward_torch, group_rows_forward_torch
@@ -50,145 +52,98 @@ def workspace() -> Workspace:
     return ws
 
 
-def _layout(
-    bucket_offset: Tensor,
-    num_buckets: Tensor,
-    policy: Tensor,
-    admission_threshold: Tensor,
-    counter_bucket_offset: Tensor,
-    counter_num_buckets: Tensor,
-    seed: Tensor,
-    seed_mix: Tensor,
-    init_normal: Tensor,
-    init_a: Tensor,
-    init_b: Tensor,
-    has_admission: bool,
-    has_normal: bool,
-) -> GroupLayout:
-    tensors = (bucket_offset, num_buckets, policy, admission_threshold, counter_bucket_offset,
-               counter_num_buckets, seed, seed_mix, init_normal, init_a, init_b)  # fmt: skip
-    return GroupLayout.from_tensors(tensors, has_admission, has_normal)
+class InitArgs(NamedTuple):
+    """The layout's initial-row settings (``GroupLayout``'s tensors of those names)."""
+
+    seed: Tensor
+    seed_mix: Tensor
+    init_normal: Tensor
+    init_a: Tensor
+    init_b: Tensor
+
+    def layout(self) -> GroupLayout:
+        """A layout that carries only these (what a pooled forward reads of it)."""
+        zeros = (torch.zeros_like(self.seed),) * 6
+        return GroupLayout.from_tensors((*zeros, *self), has_admission=False, has_normal=False)
 
 
 # ------------------------------------------------------------ lookup_train_group
-def _lookup_train_cpu(
-    keys: Tensor,
-    scores: Tensor,
-    weights: Tensor,
-    state: Tensor,
-    counter_keys: Tensor,
-    counter_scores: Tensor,
-    counts: Tensor,
-    bucket_offset: Tensor,
-    num_buckets: Tensor,
-    policy: Tensor,
-    admission_threshold: Tensor,
-    counter_bucket_offset: Tensor,
-    counter_num_buckets: Tensor,
-    seed: Tensor,
-    seed_mix: Tensor,
-    init_normal: Tensor,
-    init_a: Tensor,
-    init_b: Tensor,
-    has_admission: bool,
-    has_normal: bool,
-    ids: Tensor,
-    table_idx: Tensor,
-    step: Tensor,
-    metrics: Tensor,
-    custom_scores: Tensor | None,
-    use_custom: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    layout = _layout(bucket_offset, num_buckets, policy, admission_threshold,
-                     counter_bucket_offset, counter_num_buckets, seed, seed_mix, init_normal,
-                     init_a, init_b, has_admission, has_normal)  # fmt: skip
-    counter = native.CounterIndex(counter_keys, counter_scores, counts) if has_admission else None
-    step.add_(1)
+class TrainArgs(NamedTuple):
+    """``lookup_train_group``'s arguments; ``step``: each table's clock, advanced by
+    one here; counters add to ``metrics``."""
+
+    keys: Tensor
+    scores: Tensor
+    weights: Tensor
+    state: Tensor
+    counter_keys: Tensor
+    counter_scores: Tensor
+    counts: Tensor
+    bucket_offset: Tensor
+    num_buckets: Tensor
+    policy: Tensor
+    admission_threshold: Tensor
+    counter_bucket_offset: Tensor
+    counter_num_buckets: Tensor
+    seed: Tensor
+    seed_mix: Tensor
+    init_normal: Tensor
+    init_a: Tensor
+    init_b: Tensor
+    has_admission: bool
+    has_normal: bool
+    ids: Tensor
+    table_idx: Tensor
+    step: Tensor
+    metrics: Tensor
+    custom_scores: Tensor | None
+    use_custom: Tensor | None
+
+    def layout(self) -> GroupLayout:
+        return GroupLayout.from_tensors(self[7:18], self.has_admission, self.has_normal)
+
+
+TRAIN_MUTATES = ("keys", "scores", "weights", "state", "counter_keys", "counter_scores",
+                 "counts", "step", "metrics")  # fmt: skip
+
+
+def _lookup_train_cpu(*args: object) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    a = TrainArgs(*args)
+    counter = None
+    if a.has_admission:
+        counter = native.CounterIndex(a.counter_keys, a.counter_scores, a.counts)
+    a.step.add_(1)
     out = native.lookup_train_group(
-        layout, keys, scores, weights, state, ids, table_idx, step, custom_scores, use_custom,
-        counter, num_threads=torch.get_num_threads(), workspace=workspace(),
+        a.layout(), a.keys, a.scores, a.weights, a.state, a.ids, a.table_idx, a.step,
+        a.custom_scores, a.use_custom, counter, num_threads=torch.get_num_threads(),
+        workspace=workspace(),
     )  # fmt: skip
-    metrics[:, :KERNEL_METRICS] += out.metrics
+    a.metrics[:, :KERNEL_METRICS] += out.metrics
     # One unique per id, as the Triton kernel gives (static shapes for torch.compile):
     # the entries past the batch's uniques have no row (slot -1) and no occurrence.
     u = out.unique_slots.numel()
-    unique_slots = torch.full_like(ids, -1)
+    unique_slots = torch.full_like(a.ids, -1)
     unique_slots[:u] = out.unique_slots
-    unique_table = torch.zeros_like(ids)
+    unique_table = torch.zeros_like(a.ids)
     unique_table[:u] = out.unique_table
     return out.slots, out.unique_index, unique_slots, unique_table
 
 
-def _lookup_train_cuda(
-    keys: Tensor,
-    scores: Tensor,
-    weights: Tensor,
-    state: Tensor,
-    counter_keys: Tensor,
-    counter_scores: Tensor,
-    counts: Tensor,
-    bucket_offset: Tensor,
-    num_buckets: Tensor,
-    policy: Tensor,
-    admission_threshold: Tensor,
-    counter_bucket_offset: Tensor,
-    counter_num_buckets: Tensor,
-    seed: Tensor,
-    seed_mix: Tensor,
-    init_normal: Tensor,
-    init_a: Tensor,
-    init_b: Tensor,
-    has_admission: bool,
-    has_normal: bool,
-    ids: Tensor,
-    table_idx: Tensor,
-    step: Tensor,
-    metrics: Tensor,
-    custom_scores: Tensor | None,
-    use_custom: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _lookup_train_cuda(*args: object) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     from torchrec_kvemb.kernels.group_lookup import group_lookup_train_triton
 
-    layout = _layout(bucket_offset, num_buckets, policy, admission_threshold,
-                     counter_bucket_offset, counter_num_buckets, seed, seed_mix, init_normal,
-                     init_a, init_b, has_admission, has_normal)  # fmt: skip
-    step.add_(1)
+    a = TrainArgs(*args)
+    a.step.add_(1)
     out = group_lookup_train_triton(
-        layout, keys, scores, weights, state, counter_keys, counter_scores, counts, ids,
-        table_idx, step, metrics, custom_scores, use_custom,
+        a.layout(), a.keys, a.scores, a.weights, a.state, a.counter_keys, a.counter_scores,
+        a.counts, a.ids, a.table_idx, a.step, a.metrics, a.custom_scores, a.use_custom,
     )  # fmt: skip
     return out.slots, out.unique_index, out.unique_slots, out.unique_table
 
 
-def _lookup_train_fake(
-    keys: Tensor,
-    scores: Tensor,
-    weights: Tensor,
-    state: Tensor,
-    counter_keys: Tensor,
-    counter_scores: Tensor,
-    counts: Tensor,
-    bucket_offset: Tensor,
-    num_buckets: Tensor,
-    policy: Tensor,
-    admission_threshold: Tensor,
-    counter_bucket_offset: Tensor,
-    counter_num_buckets: Tensor,
-    seed: Tensor,
-    seed_mix: Tensor,
-    init_normal: Tensor,
-    init_a: Tensor,
-    init_b: Tensor,
-    has_admission: bool,
-    has_normal: bool,
-    ids: Tensor,
-    table_idx: Tensor,
-    step: Tensor,
-    metrics: Tensor,
-    custom_scores: Tensor | None,
-    use_custom: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _lookup_train_fake(*args: object) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     # One unique per id: those past the batch's uniques have slot -1.
+    ids = TrainArgs(*args).ids
     return tuple(torch.empty_like(ids) for _ in range(4))
 
 
@@ -197,17 +152,8 @@ lookup_train_group = define(
     _lookup_train_cpu,
     _lookup_train_cuda,
     _lookup_train_fake,
-    mutates=(
-        "keys",
-        "scores",
-        "weights",
-        "state",
-        "counter_keys",
-        "counter_scores",
-        "counts",
-        "step",
-        "metrics",
-    ),
+    mutates=TRAIN_MUTATES,
+    op_schema=schema(TrainArgs, "(Tensor, Tensor, Tensor, Tensor)", TRAIN_MUTATES),
 )
 
 
@@ -231,6 +177,13 @@ def _lookup_eval_cpu(
     return slots
 
 
+class _BucketRanges(NamedTuple):
+    """What a probe reads of a ``GroupLayout``: each table's bucket range."""
+
+    bucket_offset: Tensor
+    num_buckets: Tensor
+
+
 def _lookup_eval_cuda(
     keys: Tensor,
     bucket_offset: Tensor,
@@ -241,16 +194,8 @@ def _lookup_eval_cuda(
 ) -> Tensor:
     from torchrec_kvemb.kernels.group_lookup import group_lookup_eval_triton
 
-    # The probe reads only the bucket ranges of the layout.
     layout = _BucketRanges(bucket_offset, num_buckets)
     return group_lookup_eval_triton(layout, keys, ids, table_idx, metrics)
-
-
-class _BucketRanges:
-    """What a probe reads of a ``GroupLayout``: each table's bucket range."""
-
-    def __init__(self, bucket_offset: Tensor, num_buckets: Tensor) -> None:
-        self.bucket_offset, self.num_buckets = bucket_offset, num_buckets
 
 
 def _lookup_eval_fake(
@@ -274,85 +219,53 @@ lookup_eval_group = define(
 
 
 # ---------------------------------------------------------------- pooled_forward
-def _init_layout(seed: Tensor, seed_mix: Tensor, init_normal: Tensor, init_a: Tensor,
-                 init_b: Tensor) -> GroupLayout:  # fmt: skip
-    """A layout that carries only the tables' initial-row settings (what a pooled
-    forward reads of it)."""
-    zeros = torch.zeros_like(seed)
-    return GroupLayout.from_tensors(
-        (zeros, zeros, zeros, zeros, zeros, zeros, seed, seed_mix, init_normal, init_a, init_b),
-        has_admission=False,
-        has_normal=False,
+class PooledArgs(NamedTuple):
+    """``pooled_forward``'s arguments: rows ``[B, dim]`` of the bags in ``bag_list``."""
+
+    weights: Tensor
+    slots: Tensor
+    ids: Tensor
+    table_idx: Tensor
+    offsets: Tensor
+    bag_of: Tensor
+    scale: Tensor | None
+    bag_list: Tensor
+    seed: Tensor
+    seed_mix: Tensor
+    init_normal: Tensor
+    init_a: Tensor
+    init_b: Tensor
+    missing_as_zero: bool
+
+    def init(self) -> InitArgs:
+        return InitArgs(*self[8:13])
+
+    def bags(self) -> Bags:
+        return Bags(self.offsets, self.bag_of, self.scale)
+
+
+def _pooled_forward_cpu(*args: object) -> Tensor:
+    a = PooledArgs(*args)
+    specs = () if a.missing_as_zero else a.init().layout().init_specs
+    return group_pooled_forward_torch(
+        a.weights, a.slots, a.ids, a.table_idx, a.bags(), specs, a.missing_as_zero
     )
 
 
-def _pooled_forward_cpu(
-    weights: Tensor,
-    slots: Tensor,
-    ids: Tensor,
-    table_idx: Tensor,
-    offsets: Tensor,
-    bag_of: Tensor,
-    scale: Tensor | None,
-    bag_list: Tensor,
-    seed: Tensor,
-    seed_mix: Tensor,
-    init_normal: Tensor,
-    init_a: Tensor,
-    init_b: Tensor,
-    missing_as_zero: bool,
-) -> Tensor:
-    specs = (
-        ()
-        if missing_as_zero
-        else _init_layout(seed, seed_mix, init_normal, init_a, init_b).init_specs
-    )
-    bags = Bags(offsets, bag_of, scale)
-    return group_pooled_forward_torch(weights, slots, ids, table_idx, bags, specs, missing_as_zero)
-
-
-def _pooled_forward_cuda(
-    weights: Tensor,
-    slots: Tensor,
-    ids: Tensor,
-    table_idx: Tensor,
-    offsets: Tensor,
-    bag_of: Tensor,
-    scale: Tensor | None,
-    bag_list: Tensor,
-    seed: Tensor,
-    seed_mix: Tensor,
-    init_normal: Tensor,
-    init_a: Tensor,
-    init_b: Tensor,
-    missing_as_zero: bool,
-) -> Tensor:
+def _pooled_forward_cuda(*args: object) -> Tensor:
     from torchrec_kvemb.kernels.group_pooled import group_pooled_forward_triton
 
-    layout = _init_layout(seed, seed_mix, init_normal, init_a, init_b)
-    bags = Bags(offsets, bag_of, scale)
+    a = PooledArgs(*args)
     return group_pooled_forward_triton(
-        layout, weights, slots, ids, table_idx, bags, bag_list, missing_as_zero
-    )
+        a.init().layout(), a.weights, a.slots, a.ids, a.table_idx, a.bags(), a.bag_list,
+        a.missing_as_zero,
+    )  # fmt: skip
 
 
-def _pooled_forward_fake(
-    weights: Tensor,
-    slots: Tensor,
-    ids: Tensor,
-    table_idx: Tensor,
-    offsets: Tensor,
-    bag_of: Tensor,
-    scale: Tensor | None,
-    bag_list: Tensor,
-    seed: Tensor,
-    seed_mix: Tensor,
-    init_normal: Tensor,
-    init_a: Tensor,
-    init_b: Tensor,
-    missing_as_zero: bool,
-) -> Tensor:
-    return weights.new_empty((offsets.shape[0] - 1, weights.shape[1]), dtype=torch.float32)
+def _pooled_forward_fake(*args: object) -> Tensor:
+    a = PooledArgs(*args)
+    bags = a.offsets.shape[0] - 1
+    return a.weights.new_empty((bags, a.weights.shape[1]), dtype=torch.float32)
 
 
 pooled_forward = define(
@@ -361,66 +274,53 @@ pooled_forward = define(
     _pooled_forward_cuda,
     _pooled_forward_fake,
     cpu_name="torch (embedding_bag by slot)",
+    op_schema=schema(PooledArgs, "Tensor"),
 )
 
 
 # ------------------------------------------------------------------ rows_forward
-def _rows_forward_cpu(
-    weights: Tensor,
-    slots: Tensor,
-    ids: Tensor,
-    table_idx: Tensor,
-    seed: Tensor,
-    seed_mix: Tensor,
-    init_normal: Tensor,
-    init_a: Tensor,
-    init_b: Tensor,
-    missing_as_zero: bool,
-) -> Tensor:
-    specs = (
-        ()
-        if missing_as_zero
-        else _init_layout(seed, seed_mix, init_normal, init_a, init_b).init_specs
+class RowsArgs(NamedTuple):
+    """``rows_forward``'s arguments: one row per id ``[n, dim]``, unpooled."""
+
+    weights: Tensor
+    slots: Tensor
+    ids: Tensor
+    table_idx: Tensor
+    seed: Tensor
+    seed_mix: Tensor
+    init_normal: Tensor
+    init_a: Tensor
+    init_b: Tensor
+    missing_as_zero: bool
+
+    def init(self) -> InitArgs:
+        return InitArgs(*self[4:9])
+
+
+def _rows_forward_cpu(*args: object) -> Tensor:
+    a = RowsArgs(*args)
+    specs = () if a.missing_as_zero else a.init().layout().init_specs
+    return group_rows_forward_torch(
+        a.weights, a.slots, a.ids, a.table_idx, specs, a.missing_as_zero
     )
-    return group_rows_forward_torch(weights, slots, ids, table_idx, specs, missing_as_zero)
 
 
-def _rows_forward_cuda(
-    weights: Tensor,
-    slots: Tensor,
-    ids: Tensor,
-    table_idx: Tensor,
-    seed: Tensor,
-    seed_mix: Tensor,
-    init_normal: Tensor,
-    init_a: Tensor,
-    init_b: Tensor,
-    missing_as_zero: bool,
-) -> Tensor:
+def _rows_forward_cuda(*args: object) -> Tensor:
     from torchrec_kvemb.kernels.group_pooled import group_pooled_forward_triton
 
-    layout = _init_layout(seed, seed_mix, init_normal, init_a, init_b)
-    n = ids.numel()
-    each = torch.arange(n + 1, device=ids.device)  # every id a bag of its own
+    a = RowsArgs(*args)
+    n = a.ids.numel()
+    each = torch.arange(n + 1, device=a.ids.device)  # every id a bag of its own
     bags = Bags(each, each[:n], None)
     return group_pooled_forward_triton(
-        layout, weights, slots, ids, table_idx, bags, bags.bag_of, missing_as_zero
-    )
+        a.init().layout(), a.weights, a.slots, a.ids, a.table_idx, bags, bags.bag_of,
+        a.missing_as_zero,
+    )  # fmt: skip
 
 
-def _rows_forward_fake(
-    weights: Tensor,
-    slots: Tensor,
-    ids: Tensor,
-    table_idx: Tensor,
-    seed: Tensor,
-    seed_mix: Tensor,
-    init_normal: Tensor,
-    init_a: Tensor,
-    init_b: Tensor,
-    missing_as_zero: bool,
-) -> Tensor:
-    return weights.new_empty((ids.shape[0], weights.shape[1]), dtype=torch.float32)
+def _rows_forward_fake(*args: object) -> Tensor:
+    a = RowsArgs(*args)
+    return a.weights.new_empty((a.ids.shape[0], a.weights.shape[1]), dtype=torch.float32)
 
 
 rows_forward = define(
@@ -429,126 +329,85 @@ rows_forward = define(
     _rows_forward_cuda,
     _rows_forward_fake,
     cpu_name="torch (index_select by slot)",
+    op_schema=schema(RowsArgs, "Tensor"),
 )
 
 
 # ---------------------------------------------------------------- fused_backward
-def optim_config(
-    kind: int,
-    eps: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-    weight_decay_mode: int,
-    gradient_clipping: bool,
-    max_gradient: float,
-    learning_rate: float,
-) -> FusedOptimConfig:
-    """The ``FusedOptimConfig`` of a fused backward's scalar arguments."""
-    (kind_of,) = [k for k in OptimKind if k.code == kind]
-    mode = WeightDecay(weight_decay_mode)
-    return FusedOptimConfig(kind_of, learning_rate, eps, beta1, beta2, weight_decay, mode,
-                            gradient_clipping, max_gradient)  # fmt: skip
+class BackwardArgs(NamedTuple):
+    """``fused_backward``'s arguments: the gradient ``grad [B, dim]`` of the pooled
+    rows, the lookup's slots and unique rows, each table's learning rate and
+    optimizer steps (``optim_steps``, advanced by one here), the optimizer."""
+
+    weights: Tensor
+    state: Tensor
+    grad: Tensor
+    offsets: Tensor
+    bag_of: Tensor
+    scale: Tensor | None
+    slots: Tensor
+    unique_index: Tensor
+    unique_slots: Tensor
+    unique_table: Tensor
+    learning_rates: Tensor
+    optim_steps: Tensor
+    kind: int
+    eps: float
+    beta1: float
+    beta2: float
+    weight_decay: float
+    weight_decay_mode: int
+    gradient_clipping: bool
+    max_gradient: float
+
+    def config(self, learning_rate: float) -> FusedOptimConfig:
+        """The ``FusedOptimConfig`` of the scalar arguments."""
+        (kind,) = [k for k in OptimKind if k.code == self.kind]
+        return FusedOptimConfig(kind, learning_rate, self.eps, self.beta1, self.beta2,
+                                self.weight_decay, WeightDecay(self.weight_decay_mode),
+                                self.gradient_clipping, self.max_gradient)  # fmt: skip
 
 
-def _fused_backward_cpu(
-    weights: Tensor,
-    state: Tensor,
-    grad: Tensor,
-    offsets: Tensor,
-    bag_of: Tensor,
-    scale: Tensor | None,
-    slots: Tensor,
-    unique_index: Tensor,
-    unique_slots: Tensor,
-    unique_table: Tensor,
-    learning_rates: Tensor,
-    optim_steps: Tensor,
-    kind: int,
-    eps: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-    weight_decay_mode: int,
-    gradient_clipping: bool,
-    max_gradient: float,
-) -> None:
-    optim_steps.add_(1)
-    rates = learning_rates.tolist()
-    config = optim_config(kind, eps, beta1, beta2, weight_decay, weight_decay_mode,
-                          gradient_clipping, max_gradient, rates[0])  # fmt: skip
+BACKWARD_MUTATES = ("weights", "state", "optim_steps")
+
+
+def _fused_backward_cpu(*args: object) -> None:
+    a = BackwardArgs(*args)
+    a.optim_steps.add_(1)
+    rates = a.learning_rates.tolist()
     # Every row dtype: half-precision rows take the float32 update and are stored
     # rounded to nearest even, as optimizer_update_torch stores them.
     native.fused_backward_group(
-        weights, state, grad, offsets, unique_index, unique_slots, unique_table, config,
-        learning_rate=rates, optim_step=optim_steps, per_sample_weights=scale,
-        num_threads=torch.get_num_threads(), workspace=workspace(),
+        a.weights, a.state, a.grad, a.offsets, a.unique_index, a.unique_slots,
+        a.unique_table, a.config(rates[0]), learning_rate=rates, optim_step=a.optim_steps,
+        per_sample_weights=a.scale, num_threads=torch.get_num_threads(),
+        workspace=workspace(),
     )  # fmt: skip
 
 
-def _fused_backward_cuda(
-    weights: Tensor,
-    state: Tensor,
-    grad: Tensor,
-    offsets: Tensor,
-    bag_of: Tensor,
-    scale: Tensor | None,
-    slots: Tensor,
-    unique_index: Tensor,
-    unique_slots: Tensor,
-    unique_table: Tensor,
-    learning_rates: Tensor,
-    optim_steps: Tensor,
-    kind: int,
-    eps: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-    weight_decay_mode: int,
-    gradient_clipping: bool,
-    max_gradient: float,
-) -> None:
+def _fused_backward_cuda(*args: object) -> None:
     from torchrec_kvemb.kernels.group_pooled import group_fused_backward_triton
 
-    optim_steps.add_(1)
-    rates = learning_rates.to(torch.float32)
+    a = BackwardArgs(*args)
+    a.optim_steps.add_(1)
+    rates = a.learning_rates.to(torch.float32)
     bias1 = bias2 = rates  # read by Adam only: 1 - beta ** step per table
-    if kind == OptimKind.ADAM.code:
-        steps = optim_steps.to(torch.float64)
-        bias1 = (1.0 - beta1**steps).to(torch.float32)
-        bias2 = (1.0 - beta2**steps).to(torch.float32)
-    slot_table = unique_table.index_select(0, unique_index.clamp(min=0))
+    if a.kind == OptimKind.ADAM.code:
+        steps = a.optim_steps.to(torch.float64)
+        bias1 = (1.0 - a.beta1**steps).to(torch.float32)
+        bias2 = (1.0 - a.beta2**steps).to(torch.float32)
+    slot_table = a.unique_table.index_select(0, a.unique_index.clamp(min=0))
+    decay = bool(a.weight_decay)
     group_fused_backward_triton(
-        weights, state, grad, slots, slot_table, Bags(offsets, bag_of, scale), kind, rates,
-        bias1, bias2, eps, beta1, beta2, weight_decay,
-        bool(weight_decay) and weight_decay_mode == WeightDecay.L2,
-        bool(weight_decay) and weight_decay_mode == WeightDecay.DECOUPLE,
-        gradient_clipping, max_gradient,
+        a.weights, a.state, a.grad, a.slots, slot_table, Bags(a.offsets, a.bag_of, a.scale),
+        a.kind, rates, bias1, bias2, a.eps, a.beta1, a.beta2, a.weight_decay,
+        decay and a.weight_decay_mode == WeightDecay.L2,
+        decay and a.weight_decay_mode == WeightDecay.DECOUPLE,
+        a.gradient_clipping, a.max_gradient,
     )  # fmt: skip
 
 
-def _fused_backward_fake(
-    weights: Tensor,
-    state: Tensor,
-    grad: Tensor,
-    offsets: Tensor,
-    bag_of: Tensor,
-    scale: Tensor | None,
-    slots: Tensor,
-    unique_index: Tensor,
-    unique_slots: Tensor,
-    unique_table: Tensor,
-    learning_rates: Tensor,
-    optim_steps: Tensor,
-    kind: int,
-    eps: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-    weight_decay_mode: int,
-    gradient_clipping: bool,
-    max_gradient: float,
-) -> None:
+def _fused_backward_fake(*args: object) -> None:
     return None
 
 
@@ -557,6 +416,6 @@ fused_backward = define(
     _fused_backward_cpu,
     _fused_backward_cuda,
     _fused_backward_fake,
-    mutates=("weights", "state", "optim_steps"),
-    cpu_name="native",
+    mutates=BACKWARD_MUTATES,
+    op_schema=schema(BackwardArgs, "()", BACKWARD_MUTATES),
 )

@@ -1,10 +1,12 @@
 """How an op of ``torch.ops.kvemb`` is registered: one schema, a kernel per device.
 
-``define`` turns a CPU function into a ``torch.library.custom_op`` (its type hints
-give the schema), registers the CUDA function and the fake (shapes only) for the
-same schema, and remembers the CUDA function so that the Triton kernels can run
-on CPU tensors in Triton's interpreter (``TORCHREC_KVEMB_BACKEND=triton``, the
-tests): ``cuda_kernel(name)`` is exactly what the dispatcher runs on a GPU.
+``define`` registers a ``torch.library.custom_op`` with a CPU kernel, a CUDA
+kernel and a fake kernel (shapes only) of one schema, and remembers the CUDA
+kernel so that the Triton kernels can run on CPU tensors in Triton's interpreter
+(``TORCHREC_KVEMB_BACKEND=triton``, the tests): ``cuda_kernel(name)`` is exactly
+what the dispatcher runs on a GPU. The schema comes from the CPU kernel's type
+hints, or, for an op of many arguments, from a ``NamedTuple`` of them
+(``schema``): its kernels then take ``*args`` and read them by name.
 
 Example::
 
@@ -13,6 +15,7 @@ Example::
     torch.ops.kvemb.probe(keys, ids)          # the dispatcher picks by device
 """
 
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,6 +28,34 @@ _CUDA_KERNELS: dict[str, Callable[..., Any]] = {}
 _KERNEL_NAMES: dict[str, dict[str, str]] = {}
 
 
+def _schema_type(hint: Any) -> str:
+    """The schema type of an argument's type hint."""
+    if hint is torch.Tensor:
+        return "Tensor"
+    if set(typing.get_args(hint)) == {torch.Tensor, type(None)}:
+        return "Tensor?"
+    if hint in (bool, int, float):
+        return hint.__name__
+    raise TypeError(f"schema: no schema type for {hint!r}")
+
+
+def schema(arguments: type, returns: str, mutates: Sequence[str] = ()) -> str:
+    """The schema of an op whose arguments are the fields of the ``NamedTuple``
+    ``arguments`` (tensors, optional tensors, bools, ints, floats), ``mutates`` of
+    them written in place, returning ``returns`` (e.g. ``"(Tensor, Tensor)"``)."""
+    hints = typing.get_type_hints(arguments)
+    fields = []
+    for name in arguments._fields:
+        kind = _schema_type(hints[name])
+        if name in mutates:
+            kind = f"Tensor(a{len(fields)}!)"
+        fields.append(f"{kind} {name}")
+    unknown = set(mutates) - set(arguments._fields)
+    if unknown:
+        raise ValueError(f"schema: {sorted(unknown)} are not arguments")
+    return f"({', '.join(fields)}) -> {returns}"
+
+
 def define(
     name: str,
     cpu: Callable[..., Any],
@@ -33,12 +64,18 @@ def define(
     mutates: Sequence[str] = (),
     cpu_name: str = "native",
     cuda_name: str = "triton",
+    op_schema: str | None = None,
 ) -> torch.library.CustomOpDef:
-    """Register ``kvemb::name`` with ``cpu`` (whose signature is the schema),
-    ``cuda`` and ``fake``; ``mutates``: the arguments it writes in place;
-    ``cpu_name`` / ``cuda_name``: what each kernel runs, for ``kernel_names``."""
+    """Register ``kvemb::name`` with ``cpu``, ``cuda`` and ``fake``; ``mutates``: the
+    arguments it writes in place; ``op_schema``: the schema (``schema(...)``), else
+    ``cpu``'s type hints; ``cpu_name`` / ``cuda_name``: what each kernel runs, for
+    ``kernel_names``."""
     op = torch.library.custom_op(
-        f"{NAMESPACE}::{name}", cpu, mutates_args=tuple(mutates), device_types="cpu"
+        f"{NAMESPACE}::{name}",
+        cpu,
+        mutates_args=tuple(mutates),
+        device_types="cpu",
+        schema=op_schema,
     )
     op.register_kernel("cuda", cuda)
     op.register_fake(fake)
