@@ -408,13 +408,15 @@ def init_spec(options: Any) -> InitSpec:
     return InitSpec(options.seed, False, low, high)
 
 
-def run_of_each(ends: torch.Tensor, n: int) -> torch.Tensor:
-    """The run of each of ``n`` positions cut into runs ending at ``ends`` (exclusive,
-    non-decreasing, the last one ``n``): ``[n]`` int64.
+def run_of_each(lengths: torch.Tensor, n: int) -> torch.Tensor:
+    """The run of each of ``n`` positions cut into runs of ``lengths`` (non-negative,
+    summing to ``n``): ``[n]`` int64.
 
-    why not ``repeat_interleave``: it needs the output size on the host (a sync on a
-    GPU); a binary search of each position among the ends does not, in one op."""
-    return torch.searchsorted(ends, torch.arange(n, device=ends.device), right=True)
+    why ``repeat_interleave`` with ``output_size``: given the size, a GPU does not
+    sync; on the CPU 0.6 ms against 2.8 ms for a binary search of each position among
+    the runs' ends (327k ids in 16k runs, 2 threads)."""
+    runs = torch.arange(lengths.numel(), device=lengths.device)
+    return torch.repeat_interleave(runs, lengths, output_size=n)
 
 
 class Bags(NamedTuple):
@@ -445,10 +447,10 @@ class Bags(NamedTuple):
         """The bags of ``n`` ids cut by ``offsets`` (``offsets[-1] == n``); ``mean``:
         every bag pools by MEAN, or a bool per bag."""
         offsets = offsets.to(torch.int64)
-        bag_of = run_of_each(offsets[1:], n)
+        lengths = offsets[1:] - offsets[:-1]
+        bag_of = run_of_each(lengths, n)
         scale = per_sample_weights.to(torch.float32) if per_sample_weights is not None else None
         if isinstance(mean, torch.Tensor) or mean:
-            lengths = offsets[1:] - offsets[:-1]
             divisor = lengths.clamp(min=1).to(torch.float32)
             if isinstance(mean, torch.Tensor):
                 divisor = torch.where(mean, divisor, 1.0)

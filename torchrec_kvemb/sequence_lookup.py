@@ -51,7 +51,7 @@ class KVSequenceLookup(KVBagLookup):
             out = torch.zeros(n, dim, device=ids.device)
             return out.requires_grad_(training and torch.is_grad_enabled())
         plan = self._plan(keys, stride)
-        bag_of = run_of_each(torch.cumsum(lengths, 0), n)  # the bags' ends: their offsets[1:]
+        bag_of = run_of_each(lengths, n)
         # Every id a bag of its own.
         each = torch.arange(n + 1, device=ids.device)
         bags = Bags(each, each[:n], None)

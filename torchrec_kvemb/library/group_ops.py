@@ -116,17 +116,12 @@ def _lookup_train_cpu(*args: object) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     out = native.lookup_train_group(
         a.layout(), a.keys, a.scores, a.weights, a.state, a.ids, a.table_idx, a.step,
         a.custom_scores, a.use_custom, counter, num_threads=torch.get_num_threads(),
-        workspace=workspace(),
+        workspace=workspace(), pad_uniques=True,
     )  # fmt: skip
     a.metrics[:, :KERNEL_METRICS] += out.metrics
     # One unique per id, as the Triton kernel gives (static shapes for torch.compile):
     # the entries past the batch's uniques have no row (slot -1) and no occurrence.
-    u = out.unique_slots.numel()
-    unique_slots = torch.full_like(a.ids, -1)
-    unique_slots[:u] = out.unique_slots
-    unique_table = torch.zeros_like(a.ids)
-    unique_table[:u] = out.unique_table
-    return out.slots, out.unique_index, unique_slots, unique_table
+    return out.slots, out.unique_index, out.unique_slots, out.unique_table
 
 
 def _lookup_train_cuda(*args: object) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -375,11 +370,15 @@ def _fused_backward_cpu(*args: object) -> None:
     a = BackwardArgs(*args)
     a.optim_steps.add_(1)
     rates = a.learning_rates.tolist()
+    # The uniques some id refers to: the lookup's own (its padding past them, one
+    # entry per id, would only cost the kernel's passes over uniques time: 2.6 ms).
+    uniques = int(a.unique_index.max()) + 1 if a.unique_index.numel() else 0
     # Every row dtype: half-precision rows take the float32 update and are stored
     # rounded to nearest even, as optimizer_update_torch stores them.
     native.fused_backward_group(
-        a.weights, a.state, a.grad, a.offsets, a.unique_index, a.unique_slots,
-        a.unique_table, a.config(rates[0]), learning_rate=rates, optim_step=a.optim_steps,
+        a.weights, a.state, a.grad, a.offsets, a.unique_index, a.unique_slots[:uniques],
+        a.unique_table[:uniques], a.config(rates[0]), learning_rate=rates,
+        optim_step=a.optim_steps,
         per_sample_weights=a.scale, num_threads=torch.get_num_threads(),
         workspace=workspace(),
     )  # fmt: skip

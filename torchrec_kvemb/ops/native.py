@@ -407,6 +407,7 @@ def lookup_train_group(
     num_threads: int | None = None,
     workspace: Workspace | None = None,
     tier: TierPromotion | None = None,
+    pad_uniques: bool = False,
 ) -> TrainLookup:
     """Slots for a training batch of a group, inserting new ids; updates in place.
 
@@ -427,6 +428,10 @@ def lookup_train_group(
     written (the caller moves evicted rows out first, then writes promoted and
     new rows), and the result has ``unique_flags``, ``unique_scores`` and
     ``evicted_scores``.
+
+    ``pad_uniques``: ``unique_slots`` and ``unique_table`` keep one entry per id, those
+    past the batch's uniques with slot -1 and table 0 (the registered op's static
+    sizes; no occurrence refers to them).
     """
     T = tables.num_tables
     n = ids.numel()
@@ -538,12 +543,15 @@ def lookup_train_group(
     check_status(library().kv_lookup_train_group(ctypes.byref(args)), "lookup_train_group")
 
     u, e = sizes.tolist()
+    if pad_uniques:  # all n entries: those past the batch's uniques without a row
+        unique_slots[u:] = -1
+        unique_table[u:] = 0
     result = TrainLookup(
         slots,
         unique_index,
         unique_ids[:u],
-        unique_slots[:u],
-        unique_table[:u],
+        unique_slots if pad_uniques else unique_slots[:u],
+        unique_table if pad_uniques else unique_table[:u],
         unique_inserted[:u],
         evicted_ids[:e],
         evicted_slots[:e],
@@ -570,13 +578,15 @@ def _fill_new_rows(
     if not bool(new.any()):
         return
     dim = weights.shape[1]
+    u = new.numel()  # the batch's uniques (``pad_uniques`` keeps more slots and tables)
+    table, slots = result.unique_table[:u], result.unique_slots[:u]
     for t, spec in enumerate(tables.init_specs):
         if not (spec.normal or every_table):
             continue
-        mask = new & (result.unique_table == t)
+        mask = new & (table == t)
         if bool(mask.any()):
             rows = init_rows(result.unique_ids[mask], dim, spec.seed, spec.normal, spec.a, spec.b)
-            weights.index_copy_(0, result.unique_slots[mask], rows.to(weights.dtype))
+            weights.index_copy_(0, slots[mask], rows.to(weights.dtype))
 
 
 # ----------------------------------------------------------------- backward
