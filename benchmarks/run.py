@@ -28,11 +28,12 @@ Run from the repository root::
     python -m benchmarks.run --quick --out-dir /tmp/bench
     python -m benchmarks.run --only ebc,ssd
 
-``--gpu`` runs the GPU part instead (``benchmarks.gpu_kernels``): the Triton
-kernels and the KV EBC against FBGEMM's fused tables in device memory, ids/s
-and GB/s against the device's copy bandwidth, named with the device. It writes
-``<out-dir>/benchmark-results-gpu.md`` and ``plots/gpu_*.png``, and needs a
-CUDA device and fbgemm-gpu built for CUDA (exit status 2 otherwise).
+``--gpu`` runs the GPU part instead (``benchmarks.gpu_kernels``, ``make bench-gpu``):
+the Triton kernels and the KV EBC against torch's ``EmbeddingBag`` and a stock
+``EmbeddingBagCollection`` on the device (and FBGEMM's fused tables where they
+run), ids/s and GB/s against the device's copy bandwidth, named with the device.
+It writes ``<out-dir>/benchmark-results-gpu.md`` and ``plots/gpu_*.png``, and
+needs a CUDA device (exit status 2 otherwise).
 ``--gpu --device cpu`` (with ``TRITON_INTERPRET=1``) is the harness's smoke test.
 """
 
@@ -389,7 +390,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--gpu",
         action="store_true",
-        help="the GPU part instead: Triton kernels and KV EBC vs FBGEMM's fused tables",
+        help="the GPU part instead: Triton kernels and KV EBC vs torch's on the device",
     )
     parser.add_argument(
         "--device",
