@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernels.checks import assert_same as same
 from tests.kernels.test_group_lookup import CASES as GROUP_CASES
 from tests.kernels.test_group_lookup import Case as GroupCase
 from tests.kernels.test_group_lookup import Table, batch
@@ -77,17 +78,7 @@ def triton_backend(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def assert_same(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     """Bit for bit, ``got`` from the device, ``want`` from the CPU."""
-    got = got.cpu()
-    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
-    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    if not torch.equal(got, want):
-        bad = (got != want).nonzero()[:8]
-        at = [tuple(i) for i in bad.tolist()]
-        raise AssertionError(
-            f"{name}: {int((got != want).sum())} of {got.numel()} differ; first at {at}: "
-            f"device {[got[tuple(i)].item() for i in bad]} vs "
-            f"cpu {[want[tuple(i)].item() for i in bad]}"
-        )
+    same(name, got, want, labels=("device", "cpu"))
 
 
 def assert_close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:

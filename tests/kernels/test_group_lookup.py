@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from tests.kernels.checks import assert_same
 from torchrec_kvemb.backend import ENV_VAR
 from torchrec_kvemb.contracts import INT64_MAX
 from torchrec_kvemb.group import KVTableGroup
@@ -27,19 +28,6 @@ from torchrec_kvemb.options import WAYS, EvictionPolicy, Initializer, KVTableOpt
 
 LRU, LFU = EvictionPolicy.LRU, EvictionPolicy.LFU
 CUSTOM, NONE = EvictionPolicy.CUSTOM_SCORE, EvictionPolicy.NONE
-
-
-def assert_same(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
-    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    if not torch.equal(got, want):
-        bad = (got != want).nonzero()[:8]
-        at = [tuple(i) for i in bad.tolist()]
-        raise AssertionError(
-            f"{name}: {int((got != want).sum())} of {got.numel()} differ; first at {at}: "
-            f"triton {[got[tuple(i)].item() for i in bad]} vs "
-            f"torch {[want[tuple(i)].item() for i in bad]}"
-        )
 
 
 def assert_close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:

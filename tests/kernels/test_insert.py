@@ -12,24 +12,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests.kernels.checks import assert_same
 from torchrec_kvemb.contracts import InsertResult
 from torchrec_kvemb.kernels.insert import insert_triton
 from torchrec_kvemb.ops.hashing import INT64_MAX, index_bucket
 from torchrec_kvemb.ops.insert import insert_torch
 from torchrec_kvemb.options import WAYS
-
-
-def assert_same(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
-    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    if not torch.equal(got, want):
-        bad = (got != want).nonzero()[:8]
-        at = [tuple(i) for i in bad.tolist()]
-        raise AssertionError(
-            f"{name}: {int((got != want).sum())} of {got.numel()} differ; first at {at}: "
-            f"triton {[got[tuple(i)].item() for i in bad]} vs "
-            f"torch {[want[tuple(i)].item() for i in bad]}"
-        )
 
 
 def by_slot(result: InsertResult) -> tuple[torch.Tensor, torch.Tensor]:

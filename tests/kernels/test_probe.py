@@ -5,21 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernels.checks import assert_same
 from torchrec_kvemb.kernels.probe import probe_triton
 from torchrec_kvemb.ops.hashing import INT64_MAX, index_bucket
 from torchrec_kvemb.ops.probe import probe_torch
 from torchrec_kvemb.options import WAYS
-
-
-def assert_same(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
-    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    if not torch.equal(got, want):
-        bad = (got != want).nonzero().flatten()[:8].tolist()
-        raise AssertionError(
-            f"{name}: {int((got != want).sum())} of {got.numel()} differ; first at {bad}: "
-            f"triton {got.flatten()[bad].tolist()} vs torch {want.flatten()[bad].tolist()}"
-        )
 
 
 def fill_table(ids: torch.Tensor, num_buckets: int, ways: int, fill: float, seed: int):
