@@ -201,3 +201,17 @@ def test_collection_on_device_matches_cpu(name: str, device: torch.device) -> No
         m: sum(t[m] for t in want["metrics"].values()) for m in ("evictions", "admission_rejects")
     }
     assert all(v > 0 for v in totals.values()), f"the case never counts {totals}"
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_a_batch_without_bags_gives_its_output_on_the_device(training, device) -> None:
+    configs = [EmbeddingBagConfig(name="t", embedding_dim=5, num_embeddings=2**40,
+                                  feature_names=["f"])]  # fmt: skip
+    ebc = KVEmbeddingBagCollection(configs, KVTableOptions(capacity=32), device=device)
+    ebc.train(training)
+    empty = torch.empty(0, dtype=torch.int64)
+    kjt = kjt_to(KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=empty, lengths=empty),
+                 device)  # fmt: skip
+    out = ebc(kjt).values()
+    assert out.shape == (0, 5)
+    assert_on(device, out)

@@ -191,7 +191,8 @@ class KVBagLookup:
             return out.requires_grad_(training and torch.is_grad_enabled())
         ids, lengths, weights = self._checked(features, variable_batch)
         if not vbe and (stride == 0 or not keys):
-            return torch.empty(stride, sum(s.dim * len(s.features) for s in self._specs))
+            width = sum(s.dim * len(s.features) for s in self._specs)
+            return torch.empty(stride, width, device=ids.device)
         plan = self._plan(keys, stride, features.stride_per_key_per_rank() if vbe else None)
         custom = self._custom_scores(features, eviction_scores) if eviction_scores else None
         offsets = bag_offsets(lengths)
