@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torchrec_kvemb.contracts import INT64_MAX, GroupLayout, GroupLookup
+from torchrec_kvemb.contracts import INT64_MAX, METRIC_NAMES, GroupLayout, GroupLookup
 from torchrec_kvemb.kernels.hashing import index_bucket, init_values_any
 from torchrec_kvemb.kernels.rounding import round_to
 
@@ -60,12 +60,12 @@ KIND_WAIT_NEW = 5  # waiting, not in the counter: enters it, not admitted
 KIND_ADMIT_NEW = 6  # waiting, not in the counter, admitted at once: competes
 
 #: Columns of a group's ``metrics [T, >= 6]`` the lookups add to (``METRIC_NAMES``).
-HITS = tl.constexpr(0)
-MISSES = tl.constexpr(1)
-INSERTS = tl.constexpr(2)
-EVICTIONS = tl.constexpr(3)
-REJECTS = tl.constexpr(4)
-FAILURES = tl.constexpr(5)
+HITS = tl.constexpr(METRIC_NAMES.index("hits"))
+MISSES = tl.constexpr(METRIC_NAMES.index("misses"))
+INSERTS = tl.constexpr(METRIC_NAMES.index("inserts"))
+EVICTIONS = tl.constexpr(METRIC_NAMES.index("evictions"))
+REJECTS = tl.constexpr(METRIC_NAMES.index("admission_rejects"))
+FAILURES = tl.constexpr(METRIC_NAMES.index("insert_failures"))
 #: The insert sort key of a lane that is in no bucket's segment (it sorts last).
 NO_SEGMENT = tl.constexpr(INT64_MAX)
 

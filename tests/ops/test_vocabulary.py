@@ -50,3 +50,18 @@ def test_triton_kernels_read_the_codes_from_the_optimizer():
 
     for kind in OptimKind:
         assert getattr(group_pooled, kind.name).value == kind.code
+
+
+def test_triton_lookups_add_to_the_metric_columns_by_name():
+    from torchrec_kvemb.kernels import group_lookup
+
+    columns = {
+        "HITS": "hits",
+        "MISSES": "misses",
+        "INSERTS": "inserts",
+        "EVICTIONS": "evictions",
+        "REJECTS": "admission_rejects",
+        "FAILURES": "insert_failures",
+    }
+    for constant, name in columns.items():
+        assert getattr(group_lookup, constant).value == METRIC_NAMES.index(name), constant
