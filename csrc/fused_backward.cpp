@@ -108,8 +108,8 @@ struct Optimizer {
         if (decay_mode == 2) w[d] = w[d] - decoupled * old;
       }
     } else {
-      float* m = s;
-      float* v = s + dim;
+      float* m = s + KV_EXP_AVG * dim;
+      float* v = s + KV_EXP_AVG_SQ * dim;  // the state blocks of KvStateBlock
       const float correction1 = static_cast<float>(1.0 - std::pow(beta1_d, t_step));
       const float correction2 = static_cast<float>(1.0 - std::pow(beta2_d, t_step));
       for (int64_t d = 0; d < dim; ++d) {
