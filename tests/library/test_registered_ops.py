@@ -166,9 +166,15 @@ def test_every_op_is_registered_and_checked():
     assert set(CASES) <= set(dir(torch.ops.kvemb))
 
 
+def _on(device: torch.device, args: tuple) -> tuple:
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_opcheck(name):
-    torch.library.opcheck(getattr(torch.ops.kvemb, name), _args(name))
+def test_opcheck(name, device):
+    """On the device under test: the native kernels on the CPU, Triton on CUDA
+    (``make test-gpu``)."""
+    torch.library.opcheck(getattr(torch.ops.kvemb, name), _on(device, _args(name)))
 
 
 #: Ops whose CUDA kernel is Triton (the others run the torch path there).
