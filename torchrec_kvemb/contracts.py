@@ -500,4 +500,3 @@ class GroupLookup(NamedTuple):
     unique_index: torch.Tensor | None = None  # [n] the unique of each id
     unique_slots: torch.Tensor | None = None  # [U] global slot of each unique (-1: none)
     unique_table: torch.Tensor | None = None  # [U] table of each unique
-    extra: Any = None

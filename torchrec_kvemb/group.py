@@ -149,8 +149,9 @@ class KVTableGroup:
         #: Every table's clocks ``[2, T]`` (training lookups, optimizer steps; see
         #: ``KVTable.clock``): each table's are a column of these, which the group's
         #: ops advance in place.
-        self.clocks = tables[0].clock.unsqueeze(1)
-        if len(tables) > 1:
+        if len(tables) == 1:  # a lone table's clock is already the group's
+            self.clocks = tables[0].clock.unsqueeze(1)
+        else:
             self.clocks = torch.stack([t.clock for t in tables], dim=1)
             for t, table in enumerate(tables):
                 table.clock = self.clocks[:, t]
@@ -277,12 +278,10 @@ class KVTableGroup:
         lookup: GroupLookup,
         grad_out: torch.Tensor,
         bags: Bags,
-        learning_rates: torch.Tensor | None = None,
+        learning_rates: torch.Tensor,
     ) -> None:
         """One optimizer step of every table from the gradient of its pooled rows
         (``learning_rates``: ``learning_rate_tensor()`` as the forward saw it)."""
-        if learning_rates is None:
-            learning_rates = self.learning_rate_tensor()
         optim = GroupOptimizer(
             configs=tuple(t.optim for t in self.tables),
             learning_rates=learning_rates,
