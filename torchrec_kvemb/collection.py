@@ -7,7 +7,11 @@ Example::
         ...   # sets self._tables (name -> KVTable) and self._device
 """
 
+from collections.abc import Iterator
+
 import torch
+from torch import nn
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 from torchrec_kvemb.state_dict.layout import TableLayout
 from torchrec_kvemb.table import KVTable
@@ -15,7 +19,8 @@ from torchrec_kvemb.table import KVTable
 
 class KVTablesMixin:
     """``table``, ``kv_tables``, ``kv_layouts``, ``metrics`` and ``device`` of a module
-    that sets ``_tables`` (its ``KVTable`` s by name) and ``_device``.
+    that sets ``_tables`` (its ``KVTable`` s by name) and ``_device``, and its
+    ``named_modules`` as a stock collection's.
 
     No attribute annotations on the class and no postponed annotations in this
     module: ``torch.jit.script`` of a collection reads the class's attribute
@@ -41,3 +46,25 @@ class KVTablesMixin:
     def metrics(self) -> dict[str, dict[str, float]]:
         """``KVTable.metrics()`` of every table, by name."""
         return {name: t.metrics() for name, t in self._tables.items()}
+
+    def named_modules(
+        self,
+        memo: set[nn.Module] | None = None,
+        prefix: str = "",
+        remove_duplicate: bool = True,
+    ) -> Iterator[tuple[str, nn.Module]]:
+        """The modules a stock collection has: itself and ``embedding_bags.<table>``
+        (``embeddings.<table>`` for sequences), the modules its sharded form has too
+        (TorchRec's composable ``shard`` / ``shard_modules`` check that sharding keeps
+        them). The lookup modules inside stay out, as a sharded collection keeps its
+        own; ``torch.fx`` tracing and ``torch.compile`` see every module (a traced
+        graph calls the lookup module by its path)."""
+        modules = nn.Module.named_modules(self, memo, prefix, remove_duplicate)
+        if is_fx_symbolic_tracing() or torch.compiler.is_compiling():
+            yield from modules
+            return
+        dot = f"{prefix}." if prefix else ""
+        for name, module in modules:
+            child = name[len(dot) :].split(".", 1)[0] if name != prefix else ""
+            if child in ("", "embedding_bags", "embeddings"):
+                yield name, module

@@ -30,7 +30,9 @@ Modules: :mod:`.layout` (where a model's KV tables are: ``TableLayout``,
 ``restore_table``), :mod:`.entries` (entries given to a load, read into
 ``TableRows``), :mod:`.checks` (``CheckpointError`` and the checks before a
 load), :mod:`.sharded` (ShardedTensor assembly), :mod:`.hooks` (the hooks KV
-modules register).
+modules register), :mod:`.attributes` (each key as an attribute path, for
+torch's ``get_model_state_dict`` / ``set_model_state_dict`` and TorchRec's
+composable ``shard``).
 
 Example::
 
@@ -40,6 +42,11 @@ Example::
         print(prefix, slot.layout.name, slot.optimizer)
 """
 
+from torchrec_kvemb.state_dict.attributes import (
+    KVStateKey,
+    KVTableEntries,
+    install_table_entries,
+)
 from torchrec_kvemb.state_dict.checks import (
     CheckpointError,
     check_fits,
@@ -83,7 +90,9 @@ __all__ = [
     "ROW_KEYS",
     "STATE_NAMES",
     "CheckpointError",
+    "KVStateKey",
     "KVTableDescription",
+    "KVTableEntries",
     "KVTableSlot",
     "RowCounts",
     "TableLayout",
@@ -95,6 +104,7 @@ __all__ = [
     "check_table_rows",
     "describe_state_dict",
     "gather_row_counts",
+    "install_table_entries",
     "is_distributed",
     "kv_table_slots",
     "local_rows",

@@ -4,7 +4,9 @@ A KV module registers them in its constructor; they put each KV table's entries
 (:mod:`torchrec_kvemb.state_dict`) under ``<prefix><attribute>.<table>.`` (the
 attribute a stock module keeps its tables in: ``embedding_bags`` for a bag
 collection, ``embeddings`` for a sequence one) and take them back, replacing
-the tables' content. The module describes its tables
+the tables' content, and give the module an ``nn.ModuleDict`` under that attribute
+whose per-table modules resolve each key as an attribute
+(:mod:`~torchrec_kvemb.state_dict.attributes`). The module describes its tables
 with ``kv_layouts()`` (see :class:`~torchrec_kvemb.state_dict.layout.TableLayout`).
 
 Example::
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from torchrec_kvemb.state_dict.attributes import install_table_entries
 from torchrec_kvemb.state_dict.checks import CheckpointError, check_fits, check_table_rows
 from torchrec_kvemb.state_dict.entries import (
     is_distributed,
@@ -68,6 +71,9 @@ def register_sharded_hooks(
 def _register(
     module: nn.Module, sharded: bool, group: dist.ProcessGroup | None, attribute: str
 ) -> None:
+    # Each entry's key as an attribute path (torch's state-dict helpers walk keys so).
+    install_table_entries(module, attribute, [layout.name for layout in module.kv_layouts()])
+
     # The hooks get the module as an argument: closing over it would make a
     # reference cycle that keeps a model (and its process group) alive until gc.
     def state_dict_hook(module: nn.Module, destination: dict, prefix: str, _metadata) -> None:
