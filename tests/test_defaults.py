@@ -165,7 +165,7 @@ def test_a_nearly_zero_default_range_is_said_out_loud():
         ),
         pytest.param(
             KVTableOptions(capacity=8),
-            {"init_fn": partial(torch.nn.init.normal_, std=0.1)},
+            {"init_fn": partial(torch.nn.init.xavier_uniform_, gain=2.0)},
             "table 't': its config has an init_fn of its own",
             id="custom-init-fn",
         ),
@@ -174,13 +174,6 @@ def test_a_nearly_zero_default_range_is_said_out_loud():
 def test_disagreeing_init_is_refused(options, kw, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         KVEmbeddingBagCollection([config(num_embeddings=100, **kw)], options)
-
-
-def test_a_sharded_table_ignores_init_fn_as_fbgemm_does():
-    """Stock sharded tables draw from weight_init_min / max whatever init_fn says."""
-    table = config(num_embeddings=100, init_fn=partial(torch.nn.init.normal_, std=0.1))
-    resolved = with_config_init(KVTableOptions(capacity=8), table, init_fn=False)
-    assert (resolved.init_low, resolved.init_high) == (-0.1, 0.1)
 
 
 def test_pooling_none_is_refused():

@@ -41,6 +41,7 @@ per-table ops give.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, NamedTuple
@@ -113,13 +114,58 @@ class InsertResult(NamedTuple):
 
 
 class InitSpec(NamedTuple):
-    """How a table makes a row for an id that has none (see ``ops.hashing.init_rows``):
-    uniform on ``[a, b)``, or normal with mean ``a`` and standard deviation ``b``."""
+    """How a table makes a row for an id that has none (see ``ops.hashing.init_rows``),
+    by ``normal``, the kind of draw (``INIT_UNIFORM``, ``INIT_NORMAL`` or
+    ``INIT_TRUNC_NORMAL``; ``False`` / ``True`` are the first two):
+
+    * uniform on ``[a, b)`` (``a == b``: exactly that constant);
+    * normal with mean ``a`` and standard deviation ``b``;
+    * truncated normal: ``a`` and ``b`` each carry two float32 values
+      (:func:`pack_float32_pair`): ``a`` the mean and standard deviation, ``b`` the
+      bounds; build it with :meth:`trunc_normal`.
+
+    why packed: the layout's per-table tensors are every grouped op's schema and
+    every kernel's arguments; two float64 slots hold the four float32 parameters.
+
+    Example::
+
+        InitSpec.trunc_normal(seed=3, mean=0.0, std=1.0, low=-2.0, high=2.0)
+    """
 
     seed: int
-    normal: bool
+    normal: int
     a: float
     b: float
+
+    @classmethod
+    def trunc_normal(cls, seed: int, mean: float, std: float, low: float, high: float) -> InitSpec:
+        """The spec of N(mean, std) truncated to [low, high] (float32 parameters)."""
+        return cls(
+            seed, INIT_TRUNC_NORMAL, pack_float32_pair(mean, std), pack_float32_pair(low, high)
+        )
+
+    @property
+    def trunc_normal_params(self) -> tuple[float, float, float, float]:
+        """``(mean, std, low, high)`` of a truncated normal spec (float32 values)."""
+        return (*unpack_float32_pair(self.a), *unpack_float32_pair(self.b))
+
+
+#: Kinds of initial draw (``InitSpec.normal``, ``GroupLayout.init_normal``).
+INIT_UNIFORM = 0
+INIT_NORMAL = 1
+INIT_TRUNC_NORMAL = 2
+
+
+def pack_float32_pair(first: float, second: float) -> float:
+    """The float64 whose 64 bits are float32 ``first`` (low half) and ``second``
+    (high half); finite values never make a NaN."""
+    return struct.unpack("<d", struct.pack("<ff", first, second))[0]
+
+
+def unpack_float32_pair(value: float) -> tuple[float, float]:
+    """The two float32 values ``pack_float32_pair`` put in ``value``."""
+    first, second = struct.unpack("<ff", struct.pack("<d", value))
+    return first, second
 
 
 class BucketizeResult(NamedTuple):
@@ -260,11 +306,11 @@ class GroupLayout:
     counter_num_buckets: torch.Tensor  # [T] int64 (0 without admission)
     seed: torch.Tensor  # [T] int64: the tables' seeds
     seed_mix: torch.Tensor  # [T] int64: ``seed_mix(seed)``
-    init_normal: torch.Tensor  # [T] int64: 1 normal, 0 uniform
-    init_a: torch.Tensor  # [T] float64: low (uniform) or mean (normal)
-    init_b: torch.Tensor  # [T] float64: high (uniform) or std (normal)
+    init_normal: torch.Tensor  # [T] int64: the kind of draw, INIT_UNIFORM / NORMAL / TRUNC_NORMAL
+    init_a: torch.Tensor  # [T] float64: InitSpec.a (low, mean, or packed mean and std)
+    init_b: torch.Tensor  # [T] float64: InitSpec.b (high, std, or packed bounds)
     has_admission: bool  # some table admits ids after several sightings
-    has_normal: bool  # some table draws its initial rows from a normal law
+    has_normal: bool  # some table draws its initial rows otherwise than uniformly
 
     #: The tensor fields in the order the grouped ops take them (``tensors()``).
     TENSORS = (
@@ -303,7 +349,7 @@ class GroupLayout:
             self.init_b.tolist(),
             strict=True,
         )
-        return tuple(InitSpec(seed, bool(normal), a, b) for seed, normal, a, b in rows)
+        return tuple(InitSpec(seed, int(normal), a, b) for seed, normal, a, b in rows)
 
     @classmethod
     def of(
@@ -353,7 +399,7 @@ class GroupLayout:
             init_a=floats([s.a for s in init]),
             init_b=floats([s.b for s in init]),
             has_admission=any(t > 1 for t in thresholds),
-            has_normal=any(s.normal for s in init),
+            has_normal=any(int(s.normal) != INIT_UNIFORM for s in init),
         )
 
     @classmethod
@@ -400,12 +446,16 @@ class GroupLayout:
 def init_spec(options: Any) -> InitSpec:
     """The ``InitSpec`` of a table built from ``KVTableOptions``."""
     if options.initializer == Initializer.NORMAL:
-        return InitSpec(options.seed, True, options.init_mean, options.init_std)
+        return InitSpec(options.seed, INIT_NORMAL, options.init_mean, options.init_std)
+    if options.initializer == Initializer.TRUNC_NORMAL:
+        return InitSpec.trunc_normal(
+            options.seed, options.init_mean, options.init_std, options.init_low, options.init_high
+        )
     if options.init_low is None:  # made without a config: the plain default
         low, high = -DEFAULT_INIT_RANGE, DEFAULT_INIT_RANGE
     else:
         low, high = options.init_low, options.init_high
-    return InitSpec(options.seed, False, low, high)
+    return InitSpec(options.seed, INIT_UNIFORM, low, high)
 
 
 def run_of_each(lengths: torch.Tensor, n: int) -> torch.Tensor:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import enum
 import functools
+import inspect
 import math
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -38,10 +40,18 @@ class EvictionPolicy(enum.Enum):
 
 
 class Initializer(enum.Enum):
-    """Distribution of a new row's values (a pure function of id, seed, column)."""
+    """Distribution of a new row's values (a pure function of id, seed, column).
+
+    * ``UNIFORM``: on ``[init_low, init_high)`` (``init_low == init_high``: that
+      constant, exactly).
+    * ``NORMAL``: ``N(init_mean, init_std)``.
+    * ``TRUNC_NORMAL``: ``N(init_mean, init_std)`` truncated to ``[init_low,
+      init_high]`` (absolute bounds, as ``torch.nn.init.trunc_normal_``'s ``a``, ``b``).
+    """
 
     UNIFORM = "uniform"
     NORMAL = "normal"
+    TRUNC_NORMAL = "trunc_normal"
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,9 @@ class SSDOptions:
             raise ValueError(f"SSDOptions: io_threads must be >= 1, got {self.io_threads}")
 
 
+#: The largest finite float32 (TRUNC_NORMAL's parameters are float32).
+FLOAT32_MAX = 3.4028234663852886e38
+
 #: The row dtypes a table can store.
 ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -115,11 +128,13 @@ class KVTableOptions:
     #: index of its own); ``None``: the table's capacity.
     admission_counter_capacity: int | None = None
     initializer: Initializer = Initializer.UNIFORM
-    #: UNIFORM draws from [init_low, init_high); NORMAL from N(init_mean, init_std).
-    #: ``None`` (both): TorchRec's range for the table's config, as the stock
-    #: module and sharder use it: ``weight_init_min`` / ``weight_init_max``, else
-    #: -/+ sqrt(1 / num_embeddings) (see :func:`with_config_init`); a ``KVTable``
-    #: made without a config takes -/+ ``DEFAULT_INIT_RANGE``.
+    #: UNIFORM draws from [init_low, init_high); NORMAL from N(init_mean, init_std);
+    #: TRUNC_NORMAL from N(init_mean, init_std) truncated to [init_low, init_high].
+    #: ``None`` (both, UNIFORM): the table's config decides (its ``init_fn``, or
+    #: TorchRec's range as the stock module and sharder use it: ``weight_init_min``
+    #: / ``weight_init_max``, else -/+ sqrt(1 / num_embeddings); see
+    #: :func:`with_config_init` and docs/initial-rows.md); a ``KVTable`` made
+    #: without a config takes -/+ ``DEFAULT_INIT_RANGE``.
     init_low: float | None = None
     init_high: float | None = None
     init_mean: float = 0.0
@@ -168,56 +183,188 @@ class KVTableOptions:
             raise TypeError(
                 f"KVTableOptions: initializer must be an Initializer, got {self.initializer!r}"
             )
+        if self.initializer != Initializer.UNIFORM:
+            if not (math.isfinite(self.init_mean) and math.isfinite(self.init_std)):
+                raise ValueError(
+                    f"KVTableOptions: init_mean and init_std must be finite, got "
+                    f"{self.init_mean}, {self.init_std}"
+                )
+            if self.init_std < 0:
+                raise ValueError(f"KVTableOptions: init_std must be >= 0, got {self.init_std}")
+        if self.initializer == Initializer.TRUNC_NORMAL:
+            if self.init_low is None:
+                raise ValueError(
+                    "KVTableOptions: a TRUNC_NORMAL initializer needs its bounds "
+                    "init_low and init_high (absolute, as trunc_normal_'s a and b)"
+                )
+            if not self.init_std > 0:
+                raise ValueError(
+                    f"KVTableOptions: a TRUNC_NORMAL initializer needs init_std > 0, "
+                    f"got {self.init_std}"
+                )
+            for value in (self.init_mean, self.init_std, self.init_low, self.init_high):
+                if not abs(value) < FLOAT32_MAX:
+                    raise ValueError(
+                        f"KVTableOptions: TRUNC_NORMAL parameters must be finite float32 "
+                        f"values, got {value}"
+                    )
 
 
 #: A default initial range below this bound is said out loud (``with_config_init``):
 #: TorchRec's +/-sqrt(1 / num_embeddings) of a KV table over a whole id space.
 TINY_INIT_BOUND = 1e-4
 
+_INIT = torch.nn.init
+#: The ``torch.nn.init`` functions a KV table honours as an ``init_fn``.
+INIT_FNS = (
+    _INIT.uniform_,
+    _INIT.normal_,
+    _INIT.trunc_normal_,
+    _INIT.constant_,
+    _INIT.zeros_,
+    _INIT.ones_,
+)
 
-def torchrec_init_range(config: Any, init_fn: bool = True) -> tuple[float, float] | None:
-    """The uniform range TorchRec initialises a table of ``config`` with
-    (``weight_init_min`` / ``weight_init_max``, else -/+ sqrt(1 / num_embeddings)),
-    or None when the config has an ``init_fn`` of its own (not a uniform draw) and
-    ``init_fn`` says it counts (the unsharded modules call it; sharded tables,
-    fbgemm's, draw from the range and ignore it)."""
-    fn = getattr(config, "init_fn", None) if init_fn else None
-    if fn is not None and not (
-        isinstance(fn, functools.partial) and fn.func is torch.nn.init.uniform_
-    ):
-        return None
+
+def _refuse_init_fn(name: str, why: str = "") -> ValueError:
+    return ValueError(
+        f"table {name!r}: its config has an init_fn of its own, which a KV table "
+        f"cannot call (rows are made per id from (id, seed, column)){why}; use one of "
+        "torch.nn.init.uniform_, normal_, trunc_normal_, constant_, zeros_, ones_ "
+        "(plain or as functools.partial), or drop init_fn and give weight_init_min / "
+        "weight_init_max, or KVTableOptions(init_low=..., init_high=...) / "
+        "initializer=Initializer.NORMAL"
+    )
+
+
+def init_fn_distribution(fn: Callable[..., Any], name: str) -> dict[str, Any]:
+    """The ``KVTableOptions`` fields (``initializer``, ``init_low`` / ``init_high``,
+    ``init_mean`` / ``init_std``) that draw, per id, the distribution the
+    ``torch.nn.init`` function ``fn`` fills a weight with (plain, or a
+    ``functools.partial`` with keyword or positional arguments; torch's defaults
+    for the others). Any other callable is refused with a ``ValueError`` naming
+    table ``name`` (docs/initial-rows.md has the mapping).
+
+    Example::
+
+        init_fn_distribution(partial(torch.nn.init.normal_, std=0.02), "t")
+        # {'initializer': Initializer.NORMAL, 'init_mean': 0.0, 'init_std': 0.02}
+    """
+    func, args, kwargs = fn, (), {}
+    if isinstance(fn, functools.partial):
+        func, args, kwargs = fn.func, fn.args, dict(fn.keywords)
+    if not any(func is known for known in INIT_FNS):
+        raise _refuse_init_fn(name)
+    weight = object()  # what the table's weight would be bound to
+    try:
+        bound = inspect.signature(func).bind(*args, weight, **kwargs)
+    except TypeError as error:
+        why = f" and {func.__name__} refuses its arguments: {error}"
+        raise _refuse_init_fn(name, why) from None
+    bound.apply_defaults()
+    params = dict(bound.arguments)
+    if params.pop("tensor") is not weight:
+        raise _refuse_init_fn(
+            name, f": its positional arguments take {func.__name__}'s tensor argument"
+        )
+    if params.pop("generator", None) is not None:
+        raise ValueError(
+            f"table {name!r}: init_fn {func.__name__} with a generator: a KV table draws "
+            "its rows from (id, seed, column), not from a generator; drop it and set "
+            "KVTableOptions(seed=...)"
+        )
+    try:
+        params = {key: float(value) for key, value in params.items()}
+    except (TypeError, ValueError) as error:
+        why = f" and {func.__name__}'s arguments are not numbers: {error}"
+        raise _refuse_init_fn(name, why) from None
+    if func is _INIT.uniform_:
+        low, high = params["a"], params["b"]
+        return {"initializer": Initializer.UNIFORM, "init_low": low, "init_high": high}
+    if func is _INIT.normal_:
+        return {
+            "initializer": Initializer.NORMAL,
+            "init_mean": params["mean"],
+            "init_std": params["std"],
+        }
+    if func is _INIT.trunc_normal_:
+        return {
+            "initializer": Initializer.TRUNC_NORMAL,
+            "init_mean": params["mean"],
+            "init_std": params["std"],
+            "init_low": params["a"],
+            "init_high": params["b"],
+        }
+    value = {_INIT.zeros_: 0.0, _INIT.ones_: 1.0}.get(func, params.get("val"))
+    return {"initializer": Initializer.UNIFORM, "init_low": value, "init_high": value}
+
+
+def torchrec_init_range(config: Any) -> tuple[float, float]:
+    """The uniform range TorchRec initialises a table of ``config`` with when its
+    ``init_fn`` is the config's own default: ``weight_init_min`` /
+    ``weight_init_max``, else -/+ sqrt(1 / num_embeddings)."""
     low = config.weight_init_min
     high = config.weight_init_max
     bound = math.sqrt(1 / config.num_embeddings)
     return (-bound if low is None else float(low), bound if high is None else float(high))
 
 
-def with_config_init(options: KVTableOptions, config: Any, init_fn: bool = True) -> KVTableOptions:
+def _is_default_init_fn(fn: Any, config: Any) -> bool:
+    """``fn`` is the uniform draw a TorchRec config makes of its range when no
+    ``init_fn`` is given (or there is none)."""
+    if fn is None:
+        return True
+    if not (isinstance(fn, functools.partial) and fn.func is _INIT.uniform_ and not fn.args):
+        return False
+    low, high = torchrec_init_range(config)
+    return dict(fn.keywords) == {"a": low, "b": high}
+
+
+def _distribution(options: KVTableOptions) -> dict[str, Any]:
+    """The fields of ``options`` that say how rows are drawn (those ``init_fn_distribution``
+    gives for the same distribution)."""
+    out: dict[str, Any] = {"initializer": options.initializer}
+    if options.initializer != Initializer.UNIFORM:
+        out.update(init_mean=options.init_mean, init_std=options.init_std)
+    if options.initializer != Initializer.NORMAL:
+        out.update(init_low=options.init_low, init_high=options.init_high)
+    return out
+
+
+def with_config_init(options: KVTableOptions, config: Any) -> KVTableOptions:
     """``options`` with the initial-row distribution the table's TorchRec config
     gives (an ``EmbeddingBagConfig``, ``EmbeddingConfig`` or sharded table).
 
-    Without ``init_low`` / ``init_high`` (UNIFORM), the table draws from TorchRec's
-    range (:func:`torchrec_init_range`). Options and config that disagree are
-    refused with a ``ValueError`` naming the table: an explicit range or NORMAL
-    initializer against the config's explicit ``weight_init_min`` / ``max``, or a
-    config ``init_fn`` of its own (a KV row is a function of (id, seed, column):
-    no function of a whole weight can make it; ``init_fn=False``: a sharded table,
-    whose stock kernel ignores ``init_fn`` too)."""
+    A config ``init_fn`` among ``torch.nn.init.uniform_``, ``normal_``,
+    ``trunc_normal_``, ``constant_``, ``zeros_``, ``ones_`` gives its distribution
+    (:func:`init_fn_distribution`), drawn per id; any other ``init_fn`` is refused
+    (a KV row is a function of (id, seed, column): no function of a whole weight
+    can make it). Without one of its own (the config's default uniform draw),
+    and without ``init_low`` / ``init_high`` (UNIFORM), the table draws from
+    TorchRec's range (:func:`torchrec_init_range`). Options and config that
+    disagree are refused with a ``ValueError`` naming the table: explicit options
+    (a range, or another initializer than UNIFORM) against the config's
+    ``init_fn`` or explicit ``weight_init_min`` / ``max``; options that draw the
+    same distribution as the ``init_fn`` are accepted."""
     name = config.name
-    torchrec = torchrec_init_range(config, init_fn)
-    if torchrec is None:
-        raise ValueError(
-            f"table {name!r}: its config has an init_fn of its own, which a KV table "
-            "cannot call (rows are made per id from (id, seed, column)); drop init_fn "
-            "and give weight_init_min / weight_init_max, or KVTableOptions(init_low=..., "
-            "init_high=...) / initializer=Initializer.NORMAL"
-        )
+    fn = getattr(config, "init_fn", None)
+    if not _is_default_init_fn(fn, config):
+        wanted = init_fn_distribution(fn, name)
+        given = options.initializer != Initializer.UNIFORM or options.init_low is not None
+        if given and _distribution(options) != wanted:
+            raise ValueError(
+                f"table {name!r}: KVTableOptions' initial rows {_distribution(options)} "
+                f"differ from the config's init_fn {wanted}; keep one of them"
+            )
+        return replace(options, **wanted)
+    torchrec = torchrec_init_range(config)
     explicit = config.weight_init_min is not None or config.weight_init_max is not None
-    if options.initializer == Initializer.NORMAL:
+    if options.initializer != Initializer.UNIFORM:
         if explicit:
             raise ValueError(
-                f"table {name!r}: KVTableOptions asks for a NORMAL initializer but the "
-                f"config gives the uniform range {list(torchrec)}; keep one of them"
+                f"table {name!r}: KVTableOptions asks for a {options.initializer.name} "
+                f"initializer but the config gives the uniform range {list(torchrec)}; "
+                "keep one of them"
             )
         return options
     if options.init_low is None:

@@ -199,18 +199,18 @@ scatter_rows = define(
 
 
 # -------------------------------------------------------------------- init_rows
-def _init_rows_cpu(ids: Tensor, dim: int, seed: int, normal: bool, a: float, b: float) -> Tensor:
-    if normal:  # torch's vectorized log and cos, which C++ libm does not match bit for bit
+def _init_rows_cpu(ids: Tensor, dim: int, seed: int, normal: int, a: float, b: float) -> Tensor:
+    if normal:  # normal, truncated normal: torch's vectorized log, cos, erf and erfinv
         return init_rows_torch(ids, dim, seed, normal, a, b)
     # why native: the same bits without the [n, dim] int64 temporaries (~4x faster).
     return native.init_uniform(ids, dim, seed, a, b)
 
 
-def _init_rows_cuda(ids: Tensor, dim: int, seed: int, normal: bool, a: float, b: float) -> Tensor:
+def _init_rows_cuda(ids: Tensor, dim: int, seed: int, normal: int, a: float, b: float) -> Tensor:
     return init_rows_torch(ids, dim, seed, normal, a, b)
 
 
-def _init_rows_fake(ids: Tensor, dim: int, seed: int, normal: bool, a: float, b: float) -> Tensor:
+def _init_rows_fake(ids: Tensor, dim: int, seed: int, normal: int, a: float, b: float) -> Tensor:
     return ids.new_empty((ids.numel(), dim), dtype=torch.float32)
 
 

@@ -17,13 +17,25 @@ from torchrec_kvemb.contracts import (
     FMIX_M2,
     GOLDEN,
     INDEX_SALT,
+    INIT_NORMAL,
+    INIT_TRUNC_NORMAL,
+    INIT_UNIFORM,
     INT64_MAX,
     ROUTE_SALT,
     seed_mix,
     to_signed,
+    unpack_float32_pair,
 )
 
-__all__ = ["INT64_MAX", "fmix64", "index_bucket", "init_rows", "route_bucket", "seed_mix"]
+__all__ = [
+    "INT64_MAX",
+    "fmix64",
+    "index_bucket",
+    "init_rows",
+    "route_bucket",
+    "seed_mix",
+    "trunc_normal_rows",
+]
 
 _M1_S = to_signed(FMIX_M1)
 _M2_S = to_signed(FMIX_M2)
@@ -68,15 +80,22 @@ def init_rows(
     ids: torch.Tensor,
     dim: int,
     seed: int,
-    normal: bool,
+    normal: int,
     a: float,
     b: float,
 ) -> torch.Tensor:
     """Initial rows ``[len(ids), dim]`` float32, a pure function of (id, seed, column).
 
-    ``normal=False``: uniform on [a, b). ``normal=True``: normal with mean ``a`` and
-    standard deviation ``b`` (Box-Muller on two 24-bit uniforms of one hash).
+    ``normal`` is the kind of draw (``InitSpec``): ``INIT_UNIFORM`` (or ``False``):
+    uniform on [a, b) (``a == b``: exactly ``float32(a)``). ``INIT_NORMAL`` (or
+    ``True``): normal with mean ``a`` and standard deviation ``b`` (Box-Muller on
+    two 24-bit uniforms of one hash). ``INIT_TRUNC_NORMAL``: ``a`` and ``b`` carry
+    (mean, std) and (low, high) as float32 pairs; the 24-bit uniform is mapped by
+    the inverse normal CDF into [low, high] (see ``trunc_normal_rows``).
     """
+    kind = int(normal)
+    if kind not in (INIT_UNIFORM, INIT_NORMAL, INIT_TRUNC_NORMAL):
+        raise ValueError(f"init_rows: unknown kind of initial draw {normal!r}")
     base = fmix64(ids.to(torch.int64) ^ seed_mix(seed))
     cols = torch.arange(1, dim + 1, dtype=torch.int64, device=ids.device) * _GOLDEN_S
     bits = base.unsqueeze(1) + cols.unsqueeze(0)
@@ -84,12 +103,33 @@ def init_rows(
     _fmix64_(bits, tmp)
     torch.bitwise_right_shift(bits, 40, out=tmp)
     u1 = tmp.bitwise_and_(0xFFFFFF).to(torch.float32).mul_(1.0 / (1 << 24))
-    if not normal:
+    if kind == INIT_UNIFORM:
         return u1.mul_(b - a).add_(a)
+    if kind == INIT_TRUNC_NORMAL:
+        return trunc_normal_rows(u1, *unpack_float32_pair(a), *unpack_float32_pair(b))
     torch.bitwise_right_shift(bits, 16, out=tmp)
     u2 = tmp.bitwise_and_(0xFFFFFF).to(torch.float32).mul_(1.0 / (1 << 24))
     radius = torch.sqrt(-2.0 * torch.log(1.0 - u1))
     return a + b * radius * torch.cos((2.0 * math.pi) * u2)
+
+
+def trunc_normal_rows(
+    u: torch.Tensor, mean: float, std: float, low: float, high: float
+) -> torch.Tensor:
+    """N(mean, std) truncated to [low, high] from uniforms ``u`` on [0, 1), float32
+    throughout (the Triton twin computes the same steps in the same order): the
+    normal CDF's values at the bounds ``p_lo``, ``p_hi``; ``v = 2 (p_lo + u (p_hi -
+    p_lo)) - 1``; ``mean + std sqrt(2) erfinv(v)``, clamped to the bounds (as
+    ``torch.nn.init.trunc_normal_`` draws, with ``u`` in place of its generator)."""
+    f32 = dict(dtype=torch.float32, device=u.device)
+    mean_t, std_t = torch.tensor(mean, **f32), torch.tensor(std, **f32)
+    low_t, high_t = torch.tensor(low, **f32), torch.tensor(high, **f32)
+    inv_sqrt2 = torch.tensor(1.0 / math.sqrt(2.0), **f32)
+    p_lo = 0.5 * (1.0 + torch.erf((low_t - mean_t) / std_t * inv_sqrt2))
+    p_hi = 0.5 * (1.0 + torch.erf((high_t - mean_t) / std_t * inv_sqrt2))
+    v = (u * (p_hi - p_lo) + p_lo) * 2.0 - 1.0
+    z = torch.erfinv(v) * torch.tensor(math.sqrt(2.0), **f32)
+    return torch.minimum(torch.maximum(z * std_t + mean_t, low_t), high_t)
 
 
 def _fmix64_(x: torch.Tensor, tmp: torch.Tensor) -> None:

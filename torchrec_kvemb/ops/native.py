@@ -494,7 +494,7 @@ def lookup_train_group(
         admission_threshold=tables.admission_threshold,
         counter_bucket_offset=tables.counter_bucket_offset,
         counter_num_buckets=tables.counter_num_buckets,
-        init_native=(1 - tables.init_normal) * int(weights.dtype == torch.float32),
+        init_native=(tables.init_normal == 0).to(torch.int64) * int(weights.dtype == torch.float32),
         seed_mix=tables.seed_mix,
     )
     for name, value in table_args.items():
