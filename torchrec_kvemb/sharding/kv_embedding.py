@@ -88,7 +88,7 @@ class KVTableSpecs:
     def table_options(self, table: ShardedEmbeddingTable, num_shards: int) -> KVTableOptions:
         """A table's options on this rank: one of ``num_shards`` equal shards, its
         initial rows drawn as TorchRec's sharded table would (its config's range)."""
-        options = with_config_init(self.options[table.name], table, init_fn=False)
+        options = with_config_init(self.options[table.name], table)
         return shard_options(options, num_shards)
 
     def bag_lookup(

@@ -19,7 +19,7 @@ from torch import nn
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 
 from torchrec_kvemb.optimizer import FusedOptimConfig
-from torchrec_kvemb.options import KVTableOptions
+from torchrec_kvemb.options import KVTableOptions, with_config_init
 from torchrec_kvemb.sharding.kv_embedding import KVTableSpecs, optim_config
 from torchrec_kvemb.sharding.planner import KV_COMPUTE_KERNEL, storage_proxy
 from torchrec_kvemb.sharding.sharded_ebc import KV_SHARDING_TYPES
@@ -157,8 +157,9 @@ class KVSharderBase:
     def table_specs(self, module: nn.Module) -> KVTableSpecs:
         """The options (and, for a KV module, optimizers) of ``module``'s KV tables."""
         if not isinstance(module, self.kv_module):
-            names = {c.name for c in self.table_configs(module)}
-            return KVTableSpecs({n: o for n, o in self._table_options.items() if n in names})
+            given = self._table_options
+            configs = [c for c in self.table_configs(module) if c.name in given]
+            return KVTableSpecs({c.name: with_config_init(given[c.name], c) for c in configs})
         kind = self.kv_module.__name__
         options: dict[str, KVTableOptions] = {}
         optims: dict[str, FusedOptimConfig] = {}
