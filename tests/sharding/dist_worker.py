@@ -19,6 +19,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -59,7 +60,12 @@ CPU = torch.device("cpu")
 def kv_configs(num_embeddings: int) -> list[EmbeddingBagConfig]:
     return [
         EmbeddingBagConfig(
-            name="user", embedding_dim=8, num_embeddings=num_embeddings, feature_names=["u1", "u2"]
+            name="user",
+            embedding_dim=8,
+            num_embeddings=num_embeddings,
+            feature_names=["u1", "u2"],
+            # honoured sharded as unsharded: the same rows at any world size
+            init_fn=partial(torch.nn.init.trunc_normal_, std=0.5, a=-0.4, b=0.9),
         ),
         EmbeddingBagConfig(
             name="item",
