@@ -13,7 +13,9 @@ table-wise table (the models of ``ckpt_worker.py``), after ``SAVE_AT`` steps:
 * ``dcp.save({"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()})``
   then ``dcp.load`` into a fresh model: without a planner DCP refuses (its size
   mismatch); with ``checkpoint.KVLoadPlanner()`` the fresh model trains on exactly
-  as the model that never stopped.
+  as the model that never stopped;
+* the same through torch's ``get_model_state_dict`` / ``set_model_state_dict`` (on
+  ``model.module``, as for stock tables): loaded exactly, trains on exactly.
 
 Rank 0 writes ``DIR/plain_dcp_<SHARDING>.json``; the test asserts.
 """
@@ -28,6 +30,7 @@ import traceback
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from tests.checkpoint.ckpt_worker import (
     CHANGED_LR,
@@ -160,16 +163,45 @@ def job(directory: str, sharding: str) -> dict:
     resumed_optimizer = dense_optimizer(resumed)
     resumed_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
     compare_snapshots(tally, snapshot(resumed), saved, exact=True, label="plain DCP: loaded")
+
+    # torch's state-dict helpers, on the module DMP wraps (as for stock tables).
+    path = os.path.join(directory, f"helpers_{sharding}")
+    dcp.save(
+        {"model": get_model_state_dict(model.module), "optim": model.fused_optimizer.state_dict()},
+        checkpoint_id=path,
+    )
+    helped = sharded_model(sharding)
+    target = {
+        "model": get_model_state_dict(helped.module),
+        "optim": helped.fused_optimizer.state_dict(),
+    }
+    dcp.load(target, checkpoint_id=path, planner=checkpoint.KVLoadPlanner())
+    loaded = set_model_state_dict(helped.module, target["model"])
+    tally.check("torch helpers: no missing or unexpected keys", not any(loaded))
+    helped.fused_optimizer.load_state_dict(target["optim"])
+    set_kv_lr(helped, CHANGED_LR)
+    helped_optimizer = dense_optimizer(helped)
+    helped_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    compare_snapshots(tally, snapshot(helped), saved, exact=True, label="torch helpers: loaded")
+    for key, value in stock_snapshot(model).items():
+        tally.exact(f"torch helpers: loaded stock {key}", stock_snapshot(helped)[key], value)
+
     for step in range(SAVE_AT, STEPS):
         want = train_step(model, optimizer, step, rank, world, 1)
         got = train_step(resumed, resumed_optimizer, step, rank, world, 1)
+        helped_got = train_step(helped, helped_optimizer, step, rank, world, 1)
         for key in want:
             tally.exact(f"plain DCP: continued {key}", got[key], want[key])
+            tally.exact(f"torch helpers: continued {key}", helped_got[key], want[key])
     compare_snapshots(
         tally, snapshot(resumed), snapshot(model), exact=True, label="plain DCP: continued"
     )
+    compare_snapshots(
+        tally, snapshot(helped), snapshot(model), exact=True, label="torch helpers: continued"
+    )
     for key, value in stock_snapshot(model).items():
         tally.exact(f"plain DCP: continued stock {key}", stock_snapshot(resumed)[key], value)
+        tally.exact(f"torch helpers: continued stock {key}", stock_snapshot(helped)[key], value)
     return {"world_size": world, **tally.result()}
 
 

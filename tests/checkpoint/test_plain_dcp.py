@@ -3,7 +3,9 @@
 ``fused_optimizer.state_dict()``, ``dcp.load`` with ``checkpoint.KVLoadPlanner()``
 into a freshly built model, then ``load_state_dict`` of both. Without the planner
 DCP's default planner refuses it with its own size-mismatch error (a KV table's
-entries are as long as the table is full). One process (world size 1, and
+entries are as long as the table is full). The two-rank job also runs the recipe
+through torch's ``get_model_state_dict`` / ``set_model_state_dict`` (one process:
+test_torch_state_dict_api.py). One process (world size 1, and
 unsharded), and two ranks with torchrun (``plain_dcp_worker.py``)."""
 
 import warnings
@@ -46,6 +48,11 @@ def test_two_ranks(sharding, tmp_path):
         "plain DCP: continued: ebc.embedding_bags.user momentum1",
         "plain DCP: continued: kv.embedding_bags.item exp_avg_sq",
         "plain DCP: continued stock momentum",
+        "torch helpers: no missing or unexpected keys",
+        "torch helpers: loaded: kv.embedding_bags.item exp_avg",
+        "torch helpers: continued dense",
+        "torch helpers: continued: ebc.embedding_bags.user momentum1",
+        "torch helpers: continued stock momentum",
     ):
         assert check in result["checks"], check
     assert result["passed"]

@@ -49,6 +49,7 @@ from torchrec_kvemb.state_dict.attributes import (
 )
 from torchrec_kvemb.state_dict.checks import (
     CheckpointError,
+    check_bucket_counts,
     check_fits,
     check_ids,
     check_state,
@@ -99,6 +100,7 @@ __all__ = [
     "TableRows",
     "admission_state",
     "check_fits",
+    "check_bucket_counts",
     "check_ids",
     "check_state",
     "check_table_rows",

@@ -102,6 +102,28 @@ def check_ids(name: str, ids: torch.Tensor, num_buckets: int | None = None) -> N
         raise CheckpointError(f"table {name!r}: weight_id holds an id twice")
 
 
+def check_bucket_counts(name: str, ids: torch.Tensor, bucket: torch.Tensor) -> None:
+    """Whole entries of a table: ``bucket`` (rows per routing bucket) counts exactly
+    the buckets of ``ids``. Entries gathered by a tool that assumes every rank holds
+    an even chunk of rows (torch's ``StateDictOptions(full_state_dict=True)`` over a
+    sharded module: KV shards differ in size) lose rows and gain zero rows; they are
+    refused, naming the recipes that hold."""
+    if bucket.numel() == 0:
+        return
+    counts = torch.bincount(route_bucket(ids, bucket.numel()), minlength=bucket.numel())
+    if not torch.equal(counts, bucket.to(counts.dtype)):
+        wrong = int((counts != bucket).sum())
+        raise CheckpointError(
+            f"table {name!r}: weight_id disagrees with bucket (its rows per routing bucket) "
+            f"in {wrong} of {bucket.numel()} buckets: rows were lost or added on the way, "
+            "as when a sharded module's state_dict is gathered whole by a tool that assumes "
+            "equal shards (StateDictOptions(full_state_dict=True)); save the sharded "
+            "state_dict with torch.distributed.checkpoint (dcp.save / dcp.load with "
+            "torchrec_kvemb.checkpoint.KVLoadPlanner()) or use torchrec_kvemb.checkpoint."
+            "save / load"
+        )
+
+
 def _sorted_unique(ids: torch.Tensor, num_buckets: int | None) -> bool:
     """Whether ``ids`` are sorted by routing bucket, then strictly by id (so unique:
     an id has one bucket)."""

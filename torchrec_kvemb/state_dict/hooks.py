@@ -24,12 +24,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from torchrec_kvemb.state_dict.attributes import install_table_entries
-from torchrec_kvemb.state_dict.checks import CheckpointError, check_fits, check_table_rows
+from torchrec_kvemb.state_dict.checks import (
+    CheckpointError,
+    check_bucket_counts,
+    check_fits,
+    check_table_rows,
+)
 from torchrec_kvemb.state_dict.entries import (
     is_distributed,
     is_placeholder,
@@ -148,6 +154,9 @@ def _owned_rows(layout: TableLayout, entries: dict[str, Any]) -> TableRows | Non
         return None
     state_shapes = table.optim.state_shapes(layout.dim)
     check_table_rows(layout.name, layout.dim, state_shapes, rows, layout.num_buckets)
+    bucket = entries.get("bucket")
+    if not shard and type(bucket) is torch.Tensor and not bucket.is_meta:
+        check_bucket_counts(layout.name, rows.ids, bucket)
     if shard:
         _check_shard(layout, rows, entries.get("bucket"))
     rows = rows.select(layout.owns(rows.ids))
