@@ -30,22 +30,25 @@ from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvemb.bag_lookup import BagTable, KVBagLookup
-from torchrec_kvemb.optimizer import OPTIMIZER_KEYS, FusedOptimConfig
+from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import KVTableOptions, with_config_init
 from torchrec_kvemb.sequence_lookup import KVSequenceLookup
 from torchrec_kvemb.sharding.fused_optimizer import KVFusedOptimizer
 from torchrec_kvemb.table import KVTable
 
 
-def optim_config(fused_params: Mapping[str, Any] | None) -> FusedOptimConfig:
-    """The fused optimizer a grouped config's ``fused_params`` describe.
+def optim_config(
+    fused_params: Mapping[str, Any] | None, table: str | None = None
+) -> FusedOptimConfig:
+    """The fused optimizer a grouped config's ``fused_params`` describe for ``table``.
 
-    Sharders and plan constraints add keys of their own (cache, bounds check,
-    output dtype...) that do not change the update: only the optimizer's keys
-    are read.
+    They hold the sharder's ``fused_params``, the table's plan's (cache, bounds
+    check, output dtype...) and the kwargs of the optimizer
+    ``apply_optimizer_in_backward`` gave its weight (TorchRec merges them all):
+    every key is read by ``FusedOptimConfig.from_fused_params``, which refuses, naming
+    the key and the table, what a KV table cannot run as FBGEMM's TBE would.
     """
-    known = {k: v for k, v in (fused_params or {}).items() if k in OPTIMIZER_KEYS}
-    return FusedOptimConfig.from_fused_params(known)
+    return FusedOptimConfig.from_fused_params(fused_params, table)
 
 
 def shard_options(options: KVTableOptions, num_shards: int) -> KVTableOptions:
@@ -113,7 +116,10 @@ class KVTableSpecs:
                 for t in tables
             ],
             {t.name: self.table_options(t, num_shards) for t in tables},
-            {t.name: self.optims.get(t.name) or optim_config(config.fused_params) for t in tables},
+            {
+                t.name: self.optims.get(t.name) or optim_config(config.fused_params, t.name)
+                for t in tables
+            },
             device,
             weights="if_present",
         )
@@ -126,7 +132,10 @@ class KVTableSpecs:
         return KVSequenceLookup(
             [BagTable(t.name, t.local_cols, tuple(t.feature_names)) for t in tables],
             {t.name: self.table_options(t, num_shards) for t in tables},
-            {t.name: self.optims.get(t.name) or optim_config(config.fused_params) for t in tables},
+            {
+                t.name: self.optims.get(t.name) or optim_config(config.fused_params, t.name)
+                for t in tables
+            },
             device,
         )
 
