@@ -1,10 +1,12 @@
 """``KVEmbeddingCollection`` on its own: outputs, read-only evaluation, bad input,
-state_dict, and the Triton and native kernels against the torch path."""
+state_dict, the meta device, and the Triton and native kernels against the torch
+path."""
 
 import pytest
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvemb import (
@@ -187,3 +189,40 @@ def test_ssd_tier_serves_sequences_like_memory(tmp_path, monkeypatch):
     assert bool(found.all())
     assert torch.equal(rows, stored["weights"])
     tiered.table("items").close()
+
+
+META_CONFIGS = [
+    EmbeddingConfig(name="a", embedding_dim=DIM, num_embeddings=2**40, feature_names=["h", "c"]),
+    EmbeddingConfig(name="b", embedding_dim=DIM, num_embeddings=2**40, feature_names=["c"]),
+]
+
+
+@pytest.mark.parametrize("how", ["context", "device-arg"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_forward_on_meta_gives_the_stock_modules_shapes(how, training):
+    """Built on meta (as large models are before they are materialised), the forward
+    gives meta rows of the stock module's shapes, for a CPU batch and a meta one;
+    nothing is looked up."""
+    meta = torch.device("meta")
+    if how == "context":
+        with meta:
+            ec = KVEmbeddingCollection(META_CONFIGS, KVTableOptions(capacity=1 << 16))
+    else:
+        ec = KVEmbeddingCollection(META_CONFIGS, KVTableOptions(capacity=1 << 16), device=meta)
+    assert ec.device == meta
+    ec.train(training)
+    stock = EmbeddingCollection(META_CONFIGS, device=meta, need_indices=False).train(training)
+    kjt = _kjt([4, 5, 6, 7, 8, 9], [2, 1, 0, 3], keys=("c", "h"))
+    for batch in (kjt, kjt.to(meta)):
+        got, want = ec(batch), stock(batch)
+        assert list(got) == list(want) == ["h", "c@a", "c@b"]
+        for name in want:
+            assert got[name].values().device == meta, name
+            assert got[name].values().shape == want[name].values().shape, name
+            assert got[name].values().requires_grad == training
+            assert got[name].lengths().device == batch.lengths().device
+            if batch is kjt:
+                assert torch.equal(got[name].lengths(), want[name].lengths()), name
+        if training:
+            sum(jt.values().sum() for jt in got.values()).backward()
+    assert all(t.size == 0 for t in ec.kv_tables().values())

@@ -5,7 +5,8 @@ The KV tables start with the stock tables' rows (ids below ``num_embeddings``);
 every step compares the outputs (per feature: rows and lengths) and, after the
 update, every row: with SGD the stock module trained by ``torch.optim.SGD``, with
 row-wise Adagrad FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` in sequence
-mode (``PoolingMode.NONE``) over the same ids.
+mode (``PoolingMode.NONE``) over the same ids. A feature read by two tables gives the
+stock module's ``feature@table`` outputs, each from its own table.
 """
 
 import pytest
@@ -139,3 +140,84 @@ def test_matches_fbgemm_sequence_tbe_with_rowwise_adagrad(need_indices: bool) ->
                 rtol=1e-5,
                 msg=f"{name} rows after step {step}",
             )
+
+
+SHARED = {
+    "item_rows": ["history", "candidate"],
+    "recent_rows": ["candidate"],
+    "user_rows": ["user"],
+}
+SHARED_ROWS = {"item_rows": 41, "recent_rows": 29, "user_rows": 23}
+# The KJT's keys in another order than the tables read them.
+SHARED_KEYS = {"user": 23, "candidate": 29, "history": 41}
+
+
+def _shared_configs() -> list[EmbeddingConfig]:
+    return [
+        EmbeddingConfig(
+            name=name, embedding_dim=DIM, num_embeddings=SHARED_ROWS[name], feature_names=features
+        )
+        for name, features in SHARED.items()
+    ]
+
+
+@pytest.mark.parametrize("need_indices", [False, True], ids=["rows", "rows-and-indices"])
+def test_a_feature_read_by_two_tables_matches_embedding_collection(need_indices: bool) -> None:
+    """``candidate`` feeds ``item_rows`` and ``recent_rows``: the stock module outputs
+    ``candidate@item_rows`` and ``candidate@recent_rows`` (each its table's rows), and
+    both tables train from their own output's gradient."""
+    torch.manual_seed(4)
+    stock = EmbeddingCollection(_shared_configs(), need_indices=need_indices)
+    kv = KVEmbeddingCollection(
+        _shared_configs(),
+        {name: KVTableOptions(capacity=4 * rows) for name, rows in SHARED_ROWS.items()},
+        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR},
+        need_indices=need_indices,
+    )
+    for name, embedding in stock.embeddings.items():
+        kv.table(name).insert(torch.arange(SHARED_ROWS[name]), embedding.weight.detach().clone())
+    optimizer = torch.optim.SGD(stock.parameters(), lr=LR)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(3):
+        lengths = torch.randint(0, 5, (len(SHARED_KEYS) * BATCH,), generator=gen)
+        values = torch.cat(
+            [
+                torch.randint(0, rows, (int(lens.sum()),), generator=gen)
+                for rows, lens in zip(SHARED_KEYS.values(), lengths.split(BATCH))
+            ]
+        )
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=list(SHARED_KEYS), values=values, lengths=lengths
+        )
+        want, got = stock(kjt), kv(kjt)
+        assert (
+            list(got)
+            == list(want)
+            == [
+                "history",
+                "candidate@item_rows",
+                "candidate@recent_rows",
+                "user",
+            ]
+        )
+        loss_want, loss_got = 0.0, 0.0
+        for i, name in enumerate(want):
+            torch.testing.assert_close(
+                got[name].values(), want[name].values(), msg=f"{name} step {step}"
+            )
+            assert torch.equal(got[name].lengths(), want[name].lengths()), name
+            if need_indices:
+                assert torch.equal(got[name].weights(), want[name].weights()), name
+            else:
+                assert got[name].weights_or_none() is None
+            coeff = torch.cos(torch.arange(want[name].values().numel()) + 7.0 * i)
+            loss_want = loss_want + (want[name].values().reshape(-1) * coeff).sum()
+            loss_got = loss_got + (got[name].values().reshape(-1) * coeff).sum()
+        optimizer.zero_grad()
+        loss_want.backward()
+        optimizer.step()
+        loss_got.backward()
+        for name, embedding in stock.embeddings.items():
+            rows, found = kv.table(name).find(torch.arange(SHARED_ROWS[name]))
+            assert bool(found.all()), name
+            torch.testing.assert_close(rows, embedding.weight.detach(), msg=f"{name} step {step}")

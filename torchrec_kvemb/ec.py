@@ -1,7 +1,5 @@
 """KVEmbeddingCollection: the unsharded drop-in for TorchRec's EmbeddingCollection."""
 
-from __future__ import annotations
-
 from typing import Any
 
 import torch
@@ -17,6 +15,7 @@ from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import KVTableOptions, with_config_init
 from torchrec_kvemb.sequence_lookup import KVSequenceLookup
 from torchrec_kvemb.state_dict.hooks import register_unsharded_hooks
+from torchrec_kvemb.traceable import KVSequenceModule
 
 
 class KVEmbeddingCollection(KVTablesMixin, nn.Module):
@@ -27,10 +26,14 @@ class KVEmbeddingCollection(KVTablesMixin, nn.Module):
     module requires); ``num_embeddings`` is the id-space size, up to 2**63 - 1.
     ``forward(kjt)`` gives ``{feature: JaggedTensor}`` with the rows ``[ids of the
     feature, dim]`` and the feature's lengths (and its ids as weights with
-    ``need_indices``), exactly like ``EmbeddingCollection``. Training stores new ids
+    ``need_indices``), exactly like ``EmbeddingCollection``; a feature read by several
+    tables gives ``feature@table`` for each, as there. Training stores new ids
     (admission and eviction apply) and backward updates the rows with the fused
     optimizer from ``fused_params``; eval is read-only and ids without a row get
-    zeros. ``.table(name)`` returns a table's ``KVTable``.
+    zeros. ``.table(name)`` returns a table's ``KVTable``. In eval mode it traces
+    with ``torch.fx`` / ``torchrec.fx`` and scripts with ``torch.jit.script``
+    (:mod:`torchrec_kvemb.traceable`); built on the meta device, its forward gives
+    meta rows of the stock module's shapes.
 
     Example::
 
@@ -56,7 +59,9 @@ class KVEmbeddingCollection(KVTablesMixin, nn.Module):
     ) -> None:
         super().__init__()
         self._embedding_configs = list(tables)
-        self._device = torch.device(device or "cpu")
+        # No device: the default one, as the stock module's parameters take it
+        # (``with torch.device("meta"):`` builds the tables on meta).
+        self._device = torch.device(device) if device is not None else torch.get_default_device()
         self._need_indices = need_indices
         self._optim = FusedOptimConfig.from_fused_params(fused_params)
         names = [c.name for c in tables]
@@ -74,6 +79,14 @@ class KVEmbeddingCollection(KVTablesMixin, nn.Module):
             self._device,
         )
         self._tables = self._lookup.tables()
+        # The lookup as one module call: what fx tracing and scripting see of it.
+        self._sequences = KVSequenceModule(self._lookup)
+        # Output keys as the stock module names them (a feature read by several
+        # tables is "feature@table" for each), and the feature each one reads.
+        self._embedding_names = [
+            name for names in get_embedding_names_by_table(tables) for name in names
+        ]
+        self._source_features = [f for c in tables for f in c.feature_names]
         register_unsharded_hooks(self, attribute="embeddings")  # docs/checkpoint-format.md
 
     # ---------------------------------------------------------- TorchRec API
@@ -95,17 +108,17 @@ class KVEmbeddingCollection(KVTablesMixin, nn.Module):
         features: KeyedJaggedTensor,
         eviction_scores: dict[str, torch.Tensor] | None = None,
     ) -> dict[str, JaggedTensor]:
-        """Every feature's rows as a ``JaggedTensor``; ``eviction_scores`` (per
-        feature, one int per id) feeds tables with ``EvictionPolicy.CUSTOM_SCORE``."""
-        rows = self._lookup.embeddings(features, self.training, eviction_scores)
-        per_feature = dict(zip(features.keys(), rows.split(features.length_per_key()), strict=True))
+        """Every feature's rows as a ``JaggedTensor`` (``feature@table`` for a feature
+        several tables read); ``eviction_scores`` (per feature, one int per id) feeds
+        tables with ``EvictionPolicy.CUSTOM_SCORE``."""
+        rows = self._sequences(features, eviction_scores)
         jagged = features.to_dict()
         out: dict[str, JaggedTensor] = {}
-        for config in self._embedding_configs:
-            for feature in config.feature_names:
-                out[feature] = JaggedTensor(
-                    values=per_feature[feature],
-                    lengths=jagged[feature].lengths(),
-                    weights=jagged[feature].values() if self._need_indices else None,
-                )
+        for i, name in enumerate(self._embedding_names):
+            feature = jagged[self._source_features[i]]
+            out[name] = JaggedTensor(
+                values=rows[i],
+                lengths=feature.lengths(),
+                weights=feature.values() if self._need_indices else None,
+            )
         return out

@@ -7,29 +7,42 @@ lookup whose every id is a bag of its own, so the forward gathers each id's row
 the backward reduces each row's gradient over its ids and applies the fused
 optimizer, in one call per group.
 
+A feature may feed several tables, as in TorchRec's ``EmbeddingCollection``
+(outputs ``feature@table``): the j-th table reading a feature takes the j-th key
+of that name in the batch (a sharded input dist sends a shared feature once per
+table), or its last one when there are fewer (an unsharded batch has each feature
+once): the ids of such a key are then looked up once per table that reads it.
+
 Example::
 
     lookup = KVSequenceLookup([BagTable("items", 8, ("history",))],
                               {"items": KVTableOptions(capacity=1000)}, FusedOptimConfig())
     rows = lookup.embeddings(kjt, training=True)   # [number of ids, 8], in kjt's order
+    per_output = lookup.sequences(kjt, training=True)   # one [ids, 8] per (table, feature)
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_kvemb.bag_lookup import KVBagLookup
+from torchrec_kvemb.bag_lookup import KVBagLookup, bag_offsets
+from torchrec_kvemb.bag_plan import expand_bags
 from torchrec_kvemb.contracts import Bags, run_of_each
 from torchrec_kvemb.lookup import pooled_eval, pooled_train
+from torchrec_kvemb.validation import KVInputError
 
 
 class KVSequenceLookup(KVBagLookup):
     """The KV tables of a sequence collection, grouped (see the module docstring)."""
 
-    shared_features = False
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: The key each (table, feature) reads, by the batch's key order.
+        self._sources_of: dict[tuple[str, ...], list[int]] = {}
 
     def embeddings(
         self,
@@ -37,25 +50,38 @@ class KVSequenceLookup(KVBagLookup):
         training: bool,
         eviction_scores: Mapping[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Every id's row, ``[number of ids, dim]`` in the KJT's value order (all
-        tables of a sequence collection share one dim). Training stores new ids
-        (their rows are their initial values) and ties the output into autograd;
-        eval is read-only and ids without a row get zeros. ``eviction_scores``: per
-        feature, one int per id, for tables with ``EvictionPolicy.CUSTOM_SCORE``."""
+        """Every id's row, ``[ids, dim]`` (all tables of a sequence collection share
+        one dim): in the KJT's value order when no key feeds two tables (always the
+        case sharded); else, per (table, feature) in the tables' order, the ids of the
+        key it reads. Training stores new ids (their rows are their initial values)
+        and ties the output into autograd; eval is read-only and ids without a row get
+        zeros. ``eviction_scores``: per feature, one int per id, for tables with
+        ``EvictionPolicy.CUSTOM_SCORE``."""
         keys = features.keys()
         stride = features.stride()
-        ids, lengths, _ = self._checked(features)
-        n = ids.numel()
         dim = self.groups[0].dim if self.groups else 0
-        if stride == 0 or not keys or n == 0:
-            out = torch.zeros(n, dim, device=ids.device)
+        if self.device.type == "meta":
+            # Tables on meta hold no rows: the output's shape, on meta (nothing is
+            # looked up, stored or checked), as the stock module on meta gives.
+            n = sum(self._counts(features)) if self._expands(keys) else features.values().numel()
+            out = torch.empty(n, dim, device=self.device)
+            return out.requires_grad_(training and torch.is_grad_enabled())
+        ids, lengths, _ = self._checked(features)
+        if stride == 0 or not keys or ids.numel() == 0:
+            out = torch.zeros(ids.numel(), dim, device=ids.device)
             return out.requires_grad_(training and torch.is_grad_enabled())
         plan = self._plan(keys, stride)
+        custom = self._custom_scores(features, eviction_scores) if eviction_scores else None
+        if plan.expand is not None:
+            lengths, _, index = expand_bags(lengths, bag_offsets(lengths), plan.expand)
+            ids = ids.index_select(0, index)
+            if custom is not None:
+                custom = (custom[0].index_select(0, index), custom[1])
+        n = ids.numel()
         bag_of = run_of_each(lengths, n)
         # Every id a bag of its own.
         each = torch.arange(n + 1, device=ids.device)
         bags = Bags(each, each[:n], None)
-        custom = self._custom_scores(features, eviction_scores) if eviction_scores else None
         out = None
         for group, table_of_bag in zip(self.groups, plan.table_of_bag, strict=True):
             table_idx = table_of_bag[bag_of]
@@ -76,3 +102,50 @@ class KVSequenceLookup(KVBagLookup):
             # Ids of another group's tables get zeros here: the groups' rows add up.
             out = rows if out is None else out + rows
         return out
+
+    def sequences(
+        self,
+        features: KeyedJaggedTensor,
+        training: bool,
+        eviction_scores: Mapping[str, torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
+        """The rows of :meth:`embeddings` cut per (table, feature) in the tables'
+        order (what ``EmbeddingCollection`` names ``feature`` or ``feature@table``):
+        one ``[ids of the feature, dim]`` each."""
+        rows = self.embeddings(features, training, eviction_scores)
+        if self._expands(features.keys()):
+            return list(rows.split(self._counts(features)))
+        pieces = rows.split(features.length_per_key())
+        return [pieces[k] for k in self._sources(features.keys())]
+
+    def _sources(self, keys: list[str]) -> list[int]:
+        """The KJT key each (table, feature) reads, in the tables' order (see the
+        module docstring); refuses a missing feature."""
+        cached = self._sources_of.get(tuple(keys))
+        if cached is not None:
+            return cached
+        occurrences: dict[str, list[int]] = {}
+        for i, key in enumerate(keys):
+            occurrences.setdefault(key, []).append(i)
+        taken: dict[str, int] = {}
+        sources = []
+        for spec in self._specs:
+            for feature in spec.features:
+                found = occurrences.get(feature)
+                if not found:
+                    raise KVInputError(f"table {spec.name!r}: feature {feature!r} is missing")
+                j = taken.get(feature, 0)
+                taken[feature] = j + 1
+                sources.append(found[min(j, len(found) - 1)])
+        self._sources_of[tuple(keys)] = sources
+        return sources
+
+    def _expands(self, keys: list[str]) -> bool:
+        """Whether a key of this batch feeds two tables (its ids looked up twice)."""
+        sources = self._sources(keys)
+        return len(set(sources)) != len(sources)
+
+    def _counts(self, features: KeyedJaggedTensor) -> list[int]:
+        """Ids of each (table, feature), in the tables' order."""
+        per_key = features.length_per_key()
+        return [per_key[k] for k in self._sources(features.keys())]

@@ -1,5 +1,6 @@
-"""``KVPooledModule``: a collection's pooled KV lookup as one opaque call, for
-inference graphs (``torch.fx`` tracing and ``torch.jit.script``).
+"""``KVPooledModule`` and ``KVSequenceModule``: a collection's KV lookup (pooled, or
+one row per id) as one opaque call, for inference graphs (``torch.fx`` tracing and
+``torch.jit.script``).
 
 TorchRec's inference flow traces the unsharded model (``torchrec.fx.symbolic_trace``
 or ``torch.fx.symbolic_trace``) and may script the result. A KV lookup is
@@ -19,6 +20,9 @@ Example::
     ebc.eval()
     graph = torch.fx.symbolic_trace(ebc)   # or torchrec.fx.symbolic_trace(ebc)
     torch.testing.assert_close(graph(kjt).values(), ebc(kjt).values())
+    ec.eval()
+    graph = torch.fx.symbolic_trace(ec)
+    torch.testing.assert_close(graph(kjt)["history"].values(), ec(kjt)["history"].values())
 """
 
 import itertools
@@ -29,6 +33,7 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvemb.bag_lookup import KVBagLookup
+from torchrec_kvemb.sequence_lookup import KVSequenceLookup
 
 #: Lookups by handle: what a scripted module calls back into (it cannot hold them).
 _LOOKUPS: weakref.WeakValueDictionary[int, KVBagLookup] = weakref.WeakValueDictionary()
@@ -61,11 +66,44 @@ class KVPooledModule(nn.Module):
             return tracer.create_proxy(
                 "call_module", tracer.path_of_module(self), (features, eviction_scores), {}
             )
-        lookup = self.__dict__.get("lookup") or _LOOKUPS.get(self.handle)
-        if lookup is None:
-            raise RuntimeError(
-                "KVPooledModule: the KV collection this scripted module was made from no "
-                "longer exists; keep it alive while the scripted module runs (its KV "
-                "tables live in it)"
+        return _lookup_of(self).pooled(features, self.training, eviction_scores)
+
+
+class KVSequenceModule(nn.Module):
+    """The sequence lookup of a ``KVSequenceLookup`` as a module: ``forward(features,
+    eviction_scores) -> [rows of each (table, feature)]``, one ``[ids, dim]`` tensor per
+    output of the collection, in its order; training mode stores new ids and ties the
+    rows into the fused backward, eval mode is read-only.
+
+    Traced and scripted as :class:`KVPooledModule` is (see the module docstring)."""
+
+    def __init__(self, lookup: KVSequenceLookup) -> None:
+        super().__init__()
+        self.lookup = lookup
+        self.handle: int = next(_HANDLES)
+        _LOOKUPS[self.handle] = lookup
+
+    @torch.jit.ignore
+    def forward(
+        self,
+        features: KeyedJaggedTensor,
+        eviction_scores: dict[str, torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
+        if isinstance(features, torch.fx.Proxy):
+            tracer = features.tracer
+            return tracer.create_proxy(
+                "call_module", tracer.path_of_module(self), (features, eviction_scores), {}
             )
-        return lookup.pooled(features, self.training, eviction_scores)
+        return _lookup_of(self).sequences(features, self.training, eviction_scores)
+
+
+def _lookup_of(module: KVPooledModule | KVSequenceModule) -> KVBagLookup:
+    """The lookup of ``module``, or of the module a scripted copy was made from."""
+    lookup = module.__dict__.get("lookup") or _LOOKUPS.get(module.handle)
+    if lookup is None:
+        raise RuntimeError(
+            f"{type(module).__name__}: the KV collection this scripted module was made "
+            "from no longer exists; keep it alive while the scripted module runs (its KV "
+            "tables live in it)"
+        )
+    return lookup
