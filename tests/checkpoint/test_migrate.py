@@ -1,14 +1,16 @@
-"""Migration between a stock TorchRec ``EmbeddingBagCollection`` and KV tables."""
+"""Migration between stock TorchRec collections (``EmbeddingBagCollection``,
+``EmbeddingCollection``) and KV tables."""
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
-from torchrec.modules.embedding_configs import PoolingType
+from torchrec.modules.embedding_configs import EmbeddingConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_kvemb import KVEmbeddingBagCollection, KVTableOptions
+from torchrec_kvemb import KVEmbeddingBagCollection, KVEmbeddingCollection, KVTableOptions
 from torchrec_kvemb.checkpoint import CheckpointError
 from torchrec_kvemb.checkpoint.migrate import export_dense, load_dense_into_kv
 
@@ -130,3 +132,99 @@ def test_export_dense_of_missing_ids():
     assert int(zeros[~found].abs().sum()) == 0
     with pytest.raises(CheckpointError, match="no KV table named 'nope'"):
         export_dense(module, "nope", 3)
+
+
+# ------------------------------------------------------- sequence collections
+SEQUENCE_ROWS = {"user": 57, "item": 23}
+
+
+def sequence_configs() -> list[EmbeddingConfig]:
+    return [
+        EmbeddingConfig(name=name, embedding_dim=6, num_embeddings=n, feature_names=[name[0]])
+        for name, n in SEQUENCE_ROWS.items()
+    ]
+
+
+def kv_sequences() -> KVEmbeddingCollection:
+    options = KVTableOptions(capacity=128, total_num_buckets=16, seed=4)
+    return KVEmbeddingCollection(sequence_configs(), options, fused_params=ADAGRAD)
+
+
+def stock_sequences() -> EmbeddingCollection:
+    torch.manual_seed(1)
+    return EmbeddingCollection(sequence_configs())
+
+
+def assert_sequence_rows_equal(module: KVEmbeddingCollection, ec: EmbeddingCollection) -> None:
+    for name, n in SEQUENCE_ROWS.items():
+        rows, found = module.table(name).find(torch.arange(n))
+        assert bool(found.all()), name
+        assert torch.equal(rows, ec.embeddings[name].weight.detach()), name
+        assert module.table(name).size == n
+        assert int(module.table(name).state.abs().sum()) == 0
+
+
+def test_stock_sequence_state_dict_into_kv_sequences():
+    ec = stock_sequences()
+    module = kv_sequences()
+    assert load_dense_into_kv(module, ec.state_dict()) == SEQUENCE_ROWS
+    assert_sequence_rows_equal(module, ec)
+    module.eval()
+    kjt = batch(2)
+    want, got = ec(kjt), module(kjt)
+    for feature in ("u", "i"):
+        assert torch.equal(got[feature].values(), want[feature].values()), feature
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_stock_sequence_dcp_checkpoint_into_kv_sequences(tmp_path):
+    ec = stock_sequences()
+    dcp.save({"model": {"ec": ec.state_dict()}}, checkpoint_id=str(tmp_path), no_dist=True)
+    module = kv_sequences()
+    load_dense_into_kv(module, tmp_path)
+    assert_sequence_rows_equal(module, ec)
+
+
+def test_either_stock_layout_fits_either_kv_collection():
+    """Rows are rows: a stock EmbeddingCollection's fill KV bags, and back."""
+    ec = EmbeddingCollection(
+        [EmbeddingConfig(name="user", embedding_dim=8, num_embeddings=57, feature_names=["u"])]
+    )
+    bags = kv()
+    load_dense_into_kv(bags, ec.state_dict(), tables={"user": "user"})
+    rows, _ = bags.table("user").find(torch.arange(57))
+    assert torch.equal(rows, ec.embeddings["user"].weight.detach())
+    ebc = EmbeddingBagCollection(
+        [EmbeddingBagConfig(name=n, embedding_dim=6, num_embeddings=r, feature_names=[n[0]])
+         for n, r in SEQUENCE_ROWS.items()]
+    )  # fmt: skip
+    sequences = kv_sequences()
+    load_dense_into_kv(sequences, ebc.state_dict())
+    rows, _ = sequences.table("item").find(torch.arange(SEQUENCE_ROWS["item"]))
+    assert torch.equal(rows, ebc.embedding_bags["item"].weight.detach())
+
+
+@pytest.mark.parametrize(
+    "state,message",
+    [
+        (
+            {"tables.user.weight": torch.zeros(3, 6), "tables.item.weight": torch.zeros(3, 6)},
+            r"table 'user': the state_dict has no entry ending in 'embedding_bags.user.weight' "
+            r"or 'embeddings.user.weight'",
+        ),
+        (
+            {
+                "ebc.embedding_bags.user.weight": torch.zeros(3, 6),
+                "ec.embeddings.user.weight": torch.zeros(3, 6),
+                "ec.embeddings.item.weight": torch.zeros(3, 6),
+            },
+            r"table 'user': the state_dict has 2 entries ending in",
+        ),
+    ],
+    ids=["neither-layout", "both-layouts"],
+)
+def test_a_state_dict_without_one_stock_weight_is_refused(state, message):
+    module = kv_sequences()
+    with pytest.raises(CheckpointError, match=message):
+        load_dense_into_kv(module, state)
+    assert all(t.size == 0 for t in module.kv_tables().values())  # nothing changed

@@ -6,8 +6,11 @@
   ``[N, dim]`` tensor for a stock table; ids without a row get their initial
   row (or zeros).
 
-Both take a ``KVEmbeddingBagCollection``, a sharded collection or a model holding
-them (tables found by name); with a sharded module they are collectives.
+Both take a ``KVEmbeddingBagCollection`` or ``KVEmbeddingCollection``, a sharded
+collection or a model holding them (tables found by name); with a sharded module
+they are collectives. The stock weights may come from either stock collection:
+``embedding_bags.<table>.weight`` (``EmbeddingBagCollection``) or
+``embeddings.<table>.weight`` (``EmbeddingCollection``).
 
 Example::
 
@@ -46,6 +49,10 @@ from torchrec_kvemb.state_dict import (
 
 __all__ = ["export_dense", "load_dense_into_kv"]
 
+#: Where a stock collection keeps a table's weight: ``EmbeddingBagCollection``,
+#: ``EmbeddingCollection`` (and their sharded forms, under the same names).
+STOCK_ATTRIBUTES = ("embedding_bags", "embeddings")
+
 
 def _slot(module: nn.Module, table: str) -> KVTableSlot:
     found = [s for s in kv_table_slots(module).values() if s.layout.name == table]
@@ -72,12 +79,14 @@ def load_dense_into_kv(
     fresh insert). Returns the rows stored per table (on this rank).
 
     ``source``: a stock ``state_dict`` (plain tensors, e.g. an unsharded
-    ``EmbeddingBagCollection``'s) or the directory of a DCP checkpoint holding
-    one (every rank reads the whole weight and keeps the ids it owns).
-    ``tables``: KV table name -> stock table name; by default every KV table of
-    ``kv_module``, by its own name. The stock weight is the entry whose key ends
-    with ``embedding_bags.<stock name>.weight``. Every table is checked before any
-    changes (dim, capacity); errors name the table.
+    ``EmbeddingBagCollection``'s or ``EmbeddingCollection``'s) or the directory of
+    a DCP checkpoint holding one (every rank reads the whole weight and keeps the
+    ids it owns). ``tables``: KV table name -> stock table name; by default every
+    KV table of ``kv_module``, by its own name. The stock weight is the one entry
+    whose key ends with ``embedding_bags.<stock name>.weight`` or
+    ``embeddings.<stock name>.weight`` (either collection's rows fit either KV
+    collection). Every table is checked before any changes (dim, capacity); errors
+    name the table.
     """
     slots = {s.layout.name: s for s in kv_table_slots(kv_module).values()}
     mapping = dict(tables) if tables is not None else {name: name for name in slots}
@@ -114,14 +123,32 @@ def load_dense_into_kv(
     return stored
 
 
+def _weight_keys(keys: list[str], stock: str) -> list[str]:
+    """The keys of ``keys`` naming stock table ``stock``'s weight, in either layout."""
+    suffixes = [f"{attribute}.{stock}.weight" for attribute in STOCK_ATTRIBUTES]
+    return [k for k in keys if any(k == s or k.endswith("." + s) for s in suffixes)]
+
+
+def _not_one_weight(found: list[str], stock: str, table: str, where: str) -> CheckpointError:
+    """The error for ``found`` (not exactly one) weight entries of ``stock``."""
+    wanted = " or ".join(f"'{a}.{stock}.weight'" for a in STOCK_ATTRIBUTES)
+    if found:
+        return CheckpointError(
+            f"table {table!r}: {where} has {len(found)} entries ending in {wanted}: {found}; "
+            "pass the state_dict of one collection, or name the stock table with tables="
+        )
+    return CheckpointError(
+        f"table {table!r}: {where} has no entry ending in {wanted} (the weight of a stock "
+        "EmbeddingBagCollection or EmbeddingCollection table)"
+    )
+
+
 def _find_weight(
     state: Mapping[str, Any], stock: str, table: str
 ) -> tuple[torch.Size, torch.Tensor]:
-    suffix = f"embedding_bags.{stock}.weight"
-    keys = [k for k in state if k == suffix or k.endswith("." + suffix)]
+    keys = _weight_keys(list(state), stock)
     if len(keys) != 1:
-        what = "no entry" if not keys else f"{len(keys)} entries {keys}"
-        raise CheckpointError(f"table {table!r}: the state_dict has {what} ending in {suffix!r}")
+        raise _not_one_weight(keys, stock, table, "the state_dict")
     value = state[keys[0]]
     if isinstance(value, ShardedTensor):
         raise CheckpointError(
@@ -140,16 +167,11 @@ def _read_dcp_weights(
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     targets: dict[str, torch.Tensor] = {}
     out: dict[str, tuple[torch.Size, torch.Tensor | None]] = {}
+    tensors = [k for k, md in saved.items() if isinstance(md, TensorStorageMetadata)]
     for name, stock in mapping.items():
-        suffix = f"embedding_bags.{stock}.weight"
-        found = [
-            k
-            for k, md in saved.items()
-            if (k == suffix or k.endswith("." + suffix)) and isinstance(md, TensorStorageMetadata)
-        ]
+        found = _weight_keys(tensors, stock)
         if len(found) != 1:
-            what = "no entry" if not found else f"{len(found)} entries {found}"
-            raise CheckpointError(f"table {name!r}: checkpoint {path!r} has {what} {suffix!r}")
+            raise _not_one_weight(found, stock, name, f"checkpoint {path!r}")
         md = saved[found[0]]
         tensor = None
         if slots[name].layout.table is not None:
