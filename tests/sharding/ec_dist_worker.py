@@ -9,8 +9,10 @@ Every rank builds the unsharded reference from the same options and feeds it the
 global batch (all ranks' bags, rank-major); the sharded model sees its own
 rank's bags. Rank r's loss is ``sum(rows_r * coeff_r)`` (one coefficient row per
 id), the reference loss their mean over ranks (TorchRec divides gradients by
-the world size). Outputs are compared per feature at every step (rows and
-lengths), every id's row, optimizer state and score at the end.
+the world size). Outputs are compared per output name at every step (rows and
+lengths), every id's row, optimizer state and score at the end. The
+``shared_*`` scenarios add a table reading the features another table reads
+(outputs ``feature@table``, as TorchRec's ``EmbeddingCollection`` names them).
 
 With ``DIR``: the ``save`` scenario (2 ranks) trains row-wise and writes a
 checkpoint to ``DIR/ckpt`` and the reference's tables to ``DIR/expected.pt``;
@@ -63,6 +65,9 @@ OPTIONS = {
         total_num_buckets=90,
     ),
 }  # fmt: skip
+#: A third table reading both features of ``item``: every one of them is shared.
+SHARED_FEATURES = {**FEATURES, "recent": ["candidate", "history"]}
+SHARED_OPTIONS = {**OPTIONS, "recent": KVTableOptions(capacity=1024, seed=5, total_num_buckets=90)}
 STOCK = EmbeddingConfig(name="stock", embedding_dim=DIM, num_embeddings=97, feature_names=["s"])
 
 ADAGRAD = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1}
@@ -70,10 +75,10 @@ SGD = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.3}
 ADAM = {"optimizer": EmbOptimType.ADAM, "learning_rate": 0.05}
 
 
-def kv_configs() -> list[EmbeddingConfig]:
+def kv_configs(features: dict[str, list[str]] = FEATURES) -> list[EmbeddingConfig]:
     return [
-        EmbeddingConfig(name=name, embedding_dim=DIM, num_embeddings=2**40, feature_names=features)
-        for name, features in FEATURES.items()
+        EmbeddingConfig(name=name, embedding_dim=DIM, num_embeddings=2**40, feature_names=names)
+        for name, names in features.items()
     ]
 
 
@@ -123,8 +128,14 @@ class GlobalBatch:
             keys=keys, values=torch.cat(values), lengths=torch.cat(lengths)
         )
 
-    def loss(self, out: dict, keys: list[str], rank: int | None) -> torch.Tensor:
-        return sum((out[k].values() * self.features[k][2][self.span(k, rank)]).sum() for k in keys)
+    def loss(self, out: dict, rank: int | None) -> torch.Tensor:
+        """Over every output (``feature`` or ``feature@table``) of the batch's features."""
+        total = 0.0
+        for name, jt in out.items():
+            key = name.split("@")[0]
+            if key in self.keys:
+                total = total + (jt.values() * self.features[key][2][self.span(key, rank)]).sum()
+        return total
 
 
 class ECModel(nn.Module):
@@ -138,17 +149,20 @@ class ECModel(nn.Module):
 
 # ------------------------------------------------------------- comparisons
 def compare_outputs(tally: Tally, got: dict, ref: dict, batch: GlobalBatch, rank: int) -> None:
-    for key in KEYS:
-        tally.diff("outputs", got[key].values(), ref[key].values()[batch.span(key, rank)])
+    """Every output of the reference (named ``feature`` or ``feature@table``)."""
+    tally.check("output names", set(ref.keys()) <= set(got.keys()))
+    for name in ref:
+        key = name.split("@")[0]
+        tally.diff("outputs", got[name].values(), ref[name].values()[batch.span(key, rank)])
         bags = slice(rank * BATCH, (rank + 1) * BATCH)
-        tally.exact("output lengths", got[key].lengths(), ref[key].lengths()[bags])
+        tally.exact("output lengths", got[name].lengths(), ref[name].lengths()[bags])
 
 
 def merged_exports(sharded: ShardedKVEmbeddingCollection) -> dict[str, dict]:
     """Every KV table's rows from all ranks, sorted by id, and where they were."""
     parts = list(enumerate(gather({n: t.export() for n, t in sharded.kv_tables().items()})))
     merged = {}
-    for name in OPTIONS:
+    for name in sorted({name for _, d in parts for name in d}):
         held = [(r, d[name]) for r, d in parts if name in d]
         rows = {k: torch.cat([d[k] for _, d in held]) for k in held[0][1]}
         order = torch.argsort(rows["ids"])
@@ -163,6 +177,7 @@ def compare_tables(
     tally: Tally, merged: dict, want: dict[str, dict], shardings: dict[str, str]
 ) -> None:
     world = dist.get_world_size()
+    tally.check("tables", set(merged) == set(want))
     for name, table in merged.items():
         held = table["held"]
         if shardings[name] == TW:
@@ -170,7 +185,7 @@ def compare_tables(
         else:
             tally.check(f"{name} on every rank", len(held) == world)
             for r, ids in held:
-                owners = owner_rank(ids, OPTIONS[name].total_num_buckets, world)
+                owners = owner_rank(ids, SHARED_OPTIONS[name].total_num_buckets, world)
                 tally.check(f"{name} ids on their owner rank", bool((owners == r).all()))
         got = table["rows"]
         same_ids = torch.equal(got["ids"], want[name]["ids"])
@@ -185,10 +200,10 @@ def compare_tables(
 
 
 # ----------------------------------------------------------------- running
-def planned(model: nn.Module, sharder, sharding: str | None):
+def planned(model: nn.Module, sharder, sharding: str | None, tables: list[str]):
     constraints = None
     if sharding is not None:
-        constraints = {n: ParameterConstraints(sharding_types=[sharding]) for n in OPTIONS}
+        constraints = {n: ParameterConstraints(sharding_types=[sharding]) for n in tables}
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=dist.get_world_size(), compute_device="cpu"),
         constraints=constraints,
@@ -196,16 +211,23 @@ def planned(model: nn.Module, sharder, sharding: str | None):
     return planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
 
 
-def sharded_model(sharding: str | None, fused: dict, kv_module: bool = False, stock: bool = False):
+def sharded_model(
+    sharding: str | None,
+    fused: dict,
+    kv_module: bool = False,
+    stock: bool = False,
+    features: dict[str, list[str]] = FEATURES,
+):
+    options = {name: SHARED_OPTIONS[name] for name in features}
     if kv_module:
-        module = KVEmbeddingCollection(kv_configs(), OPTIONS, fused_params=fused)
+        module = KVEmbeddingCollection(kv_configs(features), options, fused_params=fused)
         sharder = KVEmbeddingCollectionSharder(module_type=KVEmbeddingCollection)
     else:
-        configs = kv_configs() + ([STOCK] if stock else [])
+        configs = kv_configs(features) + ([STOCK] if stock else [])
         module = EmbeddingCollection(configs, device=META)
-        sharder = KVEmbeddingCollectionSharder(OPTIONS, fused_params=fused)
+        sharder = KVEmbeddingCollectionSharder(options, fused_params=fused)
     model = ECModel(module)
-    plan = planned(model, sharder, sharding)
+    plan = planned(model, sharder, sharding, list(features))
     return DistributedModelParallel(model, device=CPU, plan=plan, sharders=[sharder]), plan
 
 
@@ -216,18 +238,24 @@ def train(dmp, ref: KVEmbeddingCollection, tally: Tally, keys: list[str] = KEYS)
         out = dmp(batch.kjt(keys, rank))
         ref_out = ref(batch.kjt(KEYS))
         compare_outputs(tally, out, ref_out, batch, rank)
-        batch.loss(out, keys, rank).backward()
-        (batch.loss(ref_out, KEYS, None) / world).backward()
+        batch.loss(out, rank).backward()
+        (batch.loss(ref_out, None) / world).backward()
 
 
-def scenario(sharding: str | None, fused: dict, kv_module: bool = False) -> Callable[[], dict]:
-    """Two KV tables sharded ``sharding`` (DMP's own plan with ``None``), trained and
-    evaluated against the unsharded reference."""
+def scenario(
+    sharding: str | None,
+    fused: dict,
+    kv_module: bool = False,
+    features: dict[str, list[str]] = FEATURES,
+) -> Callable[[], dict]:
+    """KV tables reading ``features`` sharded ``sharding`` (DMP's own plan with
+    ``None``), trained and evaluated against the unsharded reference."""
 
     def run() -> dict:
         world, rank = dist.get_world_size(), dist.get_rank()
-        dmp, plan = sharded_model(sharding, fused, kv_module)
-        ref = KVEmbeddingCollection(kv_configs(), OPTIONS, fused_params=fused)
+        dmp, plan = sharded_model(sharding, fused, kv_module, features=features)
+        options = {name: SHARED_OPTIONS[name] for name in features}
+        ref = KVEmbeddingCollection(kv_configs(features), options, fused_params=fused)
         sharded = dmp.module.ec
         tally = Tally(TOL)
         tally.check("sharded type", isinstance(sharded, ShardedKVEmbeddingCollection))
@@ -267,8 +295,8 @@ def mixed_scenario() -> dict:
     compare_outputs(tally, out, ref_out, batch, rank)
     ids = batch.features["s"][1][batch.span("s", rank)]
     tally.diff("stock outputs", out["s"].values(), stock_weight[ids])
-    batch.loss(out, KEYS + ["s"], rank).backward()
-    (batch.loss(ref_out, KEYS, None) / world).backward()
+    batch.loss(out, rank).backward()
+    (batch.loss(ref_out, None) / world).backward()
     train(dmp, ref, tally, KEYS + ["s"])
     want = {n: t.export() for n, t in ref.kv_tables().items()}
     shardings = {n: plan.plan["ec"][n].sharding_type for n in OPTIONS}
@@ -320,6 +348,8 @@ SCENARIOS: dict[str, Callable[[], dict]] = {
     "row_wise_adam": scenario(RW, ADAM),
     "kv_module_own_plan": scenario(None, ADAGRAD, kv_module=True),
     "mixed_with_stock": mixed_scenario,
+    "shared_features_row_wise": scenario(RW, ADAGRAD, features=SHARED_FEATURES),
+    "shared_features_table_wise": scenario(TW, SGD, kv_module=True, features=SHARED_FEATURES),
 }
 
 
