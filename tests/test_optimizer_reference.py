@@ -2,8 +2,10 @@
 
 Every optimizer configuration ``fused_params`` accepts (``EXACT_SGD``,
 ``EXACT_ROWWISE_ADAGRAD``, ``ADAM``; no weight decay, L2 and decoupled weight
-decay; gradient clipping) with SUM, MEAN and weighted (per-sample weights, SUM)
-bags, float32 rows. A ``KVEmbeddingBagCollection`` of two tables, each read by
+decay where FBGEMM's kernel applies them: row-wise Adagrad's both, Adam's
+decoupled; gradient clipping) with SUM, MEAN and weighted (per-sample weights,
+SUM) bags, float32 rows. (``tests/test_optimizer_args.py`` holds each key's
+translation and refusals.) A ``KVEmbeddingBagCollection`` of two tables, each read by
 two features, trains three steps on small odd-sized batches of ids with
 repeats and empty bags. Half of its ids are inserted with known rows before
 the first step, the others get their row (and zero state) when first seen;
@@ -15,30 +17,26 @@ backend: ``torch``, ``native`` (``auto``: the native kernels) and ``triton``
 The references:
 
 * FBGEMM's CPU TBE (``SplitTableBatchedEmbeddingBagsCodegen``, host weights,
-  CPU compute) for SGD without weight decay and for row-wise Adagrad, without
-  clipping. Its CPU row-wise Adagrad takes a fast kernel for a table read by
-  one feature, and that kernel drops weight decay (it is called with
-  ``weight_decay=0``: ``L2``, ``DECOUPLE`` and none give the same rows); a
-  table read by several features takes the generic kernel, which applies both
-  modes. That is why each table here is read by two features. FBGEMM's SGD has
-  no weight decay at all, and its CPU TBE has no Adam.
-* torch otherwise: ``torch.optim.SGD`` (its ``weight_decay`` is L2; for SGD the
-  decoupled update ``w - lr * g - lr * wd * w`` is the same update),
-  ``torch.optim.Adam`` (L2: ``weight_decay`` added to the gradient) and
-  ``torch.optim.AdamW`` (decoupled), each given the batch's rows as one dense
-  tensor with their state and the table's step count (bias correction counts
-  the table's steps, as FBGEMM's ``iter`` does, not the row's), and
+  CPU compute) for SGD and row-wise Adagrad, clipping included. Its CPU
+  row-wise Adagrad takes a fast kernel for a table read by one feature, and
+  that kernel drops weight decay (it is called with ``weight_decay=0``:
+  ``L2``, ``DECOUPLE`` and none give the same rows); a table read by several
+  features takes the generic kernel, which applies both modes. That is why
+  each table here is read by two features. FBGEMM's SGD has no weight decay
+  at all (a decay mode with it is refused), and its CPU TBE has no Adam.
+* torch for Adam: ``torch.optim.Adam`` and, with weight decay,
+  ``torch.optim.AdamW`` (decoupled, as FBGEMM's Adam kernel decays), each given
+  the batch's rows as one dense tensor with their state and the table's step
+  count (bias correction counts the table's steps, as FBGEMM's ``iter`` does, not the row's), and
   ``rowwise_adagrad_step`` below for row-wise Adagrad. Only the rows a batch
   reads are updated, as in FBGEMM's TBE. The rows' gradients come from autograd
   through ``torch.nn.functional.embedding_bag``.
 
-Gradient clipping: the project clamps each element of a row's gradient, summed
-over the batch, to ``[-max_gradient, max_gradient]`` before the update (the
-rule docs/kv-table.md states), and the torch references here do the same.
-FBGEMM's TBE clamps the gradient of the pooled output instead, bag by bag,
-before reducing it into rows (``test_fbgemm_clips_the_output_gradient``). The
-two differ for a row read by several bags and for MEAN or weighted bags, so
-clipping is checked against torch only.
+Gradient clipping: FBGEMM's TBE clamps each element of the gradient of the
+pooled output to ``[-max_gradient, max_gradient]``, bag by bag, before
+reducing it into rows; the KV tables do the same, and so do the torch
+references (``test_torch_references_match_fbgemm`` holds them to FBGEMM's
+clipping).
 """
 
 from __future__ import annotations
@@ -97,11 +95,18 @@ class Case:
     @property
     def reference(self) -> str:
         """The outside reference of this update (the module docstring says why)."""
-        if self.clip or self.optimizer == EmbOptimType.ADAM:
-            return "torch"
-        if self.optimizer == EmbOptimType.EXACT_SGD and self.decay != WeightDecayMode.NONE:
-            return "torch"
-        return "fbgemm"
+        return "torch" if self.optimizer == EmbOptimType.ADAM else "fbgemm"
+
+    @property
+    def refused(self) -> bool:
+        """A decay FBGEMM's kernel would not apply (SGD's any, Adam's L2): refused."""
+        if self.decay == WeightDecayMode.NONE:
+            return False
+        return (
+            self.optimizer == EmbOptimType.EXACT_SGD
+            or self.decay == WeightDecayMode.L2
+            and (self.optimizer == EmbOptimType.ADAM)
+        )
 
 
 _OPTIMIZERS = {
@@ -125,6 +130,7 @@ CASES = {
     name + suffix: Case(optim, **variant)
     for name, optim in _OPTIMIZERS.items()
     for suffix, variant in (_VARIANTS | _COMBINED).items()
+    if not Case(optim, **variant).refused
 }
 POOLINGS = ["sum", "mean", "weighted"]
 CASE_POOLINGS = [
@@ -251,19 +257,16 @@ def rowwise_adagrad_step(
 
 
 def _torch_optimizer(case: Case, param: torch.Tensor) -> torch.optim.Optimizer:
-    decay = WEIGHT_DECAY if case.decay != WeightDecayMode.NONE else 0.0
     if case.optimizer == EmbOptimType.EXACT_SGD:
-        return torch.optim.SGD([param], lr=LR, weight_decay=decay)
-    adam = torch.optim.AdamW if case.decay == WeightDecayMode.DECOUPLE else torch.optim.Adam
-    return adam([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=decay)
+        return torch.optim.SGD([param], lr=LR)
+    if case.decay == WeightDecayMode.DECOUPLE:
+        return torch.optim.AdamW([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    return torch.optim.Adam([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
 
 
-def torch_reference(
-    case: Case, pooling: str, batches: list[Batch], rows: dict, clip_output: bool = False
-) -> dict:
-    """Outputs per step, rows and optimizer state by the torch references. With
-    ``clip_output``, clipping clamps the output's gradient (FBGEMM's rule)
-    instead of the rows'."""
+def torch_reference(case: Case, pooling: str, batches: list[Batch], rows: dict) -> dict:
+    """Outputs per step, rows and optimizer state by the torch references (clipping
+    clamps the output's gradient: FBGEMM's rule)."""
     rows = {t: w.clone() for t, w in rows.items()}
     state = {}
     for t, w in rows.items():
@@ -291,7 +294,7 @@ def torch_reference(
             )
         out = torch.cat(pooled, dim=1)
         grad = batch.grad
-        if case.clip and clip_output:
+        if case.clip:
             bites.append(bool((grad.abs() > MAX_GRADIENT).any()))
             grad = grad.clamp(-MAX_GRADIENT, MAX_GRADIENT)
         out.backward(grad)
@@ -299,9 +302,6 @@ def torch_reference(
         for t in TABLES:
             p, idx = params[t], read[t]
             g = p.grad
-            if case.clip and not clip_output:
-                bites.append(bool((g.abs() > MAX_GRADIENT).any()))
-                g = g.clamp(-MAX_GRADIENT, MAX_GRADIENT)
             if case.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD:
                 rows[t][idx], state[t]["momentum1"][idx] = rowwise_adagrad_step(
                     p.detach(), g, state[t]["momentum1"][idx], case.decay
@@ -477,27 +477,12 @@ def test_fused_optimizer_matches_outside_reference(case, pooling, backend, monke
 @pytest.mark.parametrize("case", [c for c, v in CASES.items() if v.reference == "fbgemm"])
 def test_torch_references_match_fbgemm(case, pooling):
     """Where FBGEMM's CPU TBE computes the update (row-wise Adagrad with weight decay
-    included), the torch references compute the same."""
-    _check_torch_reference_against_fbgemm(case, pooling)
-
-
-@pytest.mark.parametrize("pooling", POOLINGS)
-@pytest.mark.parametrize(
-    "case",
-    [c for c, v in CASES.items() if v.clip and Case(v.optimizer, v.decay).reference == "fbgemm"],
-)
-def test_fbgemm_clips_the_output_gradient(case, pooling):
-    """FBGEMM's TBE clips by clamping the gradient of the pooled output (bag by bag,
-    before it reaches the rows): the torch references under that rule give its
-    rows and state. (The project clamps the rows' gradients: the module docstring.)"""
-    _check_torch_reference_against_fbgemm(case, pooling)
-
-
-def _check_torch_reference_against_fbgemm(case: str, pooling: str) -> None:
+    and clipping included: FBGEMM clamps the gradient of the pooled output, bag by
+    bag, before it reaches the rows), the torch references compute the same."""
     dims = DIMS["fbgemm"]
     batches = make_batches(dims)
     rows = initial_rows(dims)
     want = fbgemm_reference(CASES[case], pooling, batches, rows)
-    got = torch_reference(CASES[case], pooling, batches, rows, clip_output=True)
+    got = torch_reference(CASES[case], pooling, batches, rows)
     every = {t: torch.ones(n, dtype=torch.bool) for t, (_, n) in TABLES.items()}
     assert_matches(got, want, every, f"torch reference of {case} {pooling}")

@@ -15,6 +15,7 @@ never compiles them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -42,7 +43,7 @@ from torchrec_kvemb.ops.block_bucketize import (
 )
 from torchrec_kvemb.ops.export_order import export_order_torch
 from torchrec_kvemb.ops.insert import insert_torch
-from torchrec_kvemb.ops.optimizer_update import optimizer_update_torch
+from torchrec_kvemb.ops.optimizer_update import clip_output_gradient, optimizer_update_torch
 from torchrec_kvemb.ops.place import bulk_load_torch, place_torch
 from torchrec_kvemb.ops.pooled_lookup import (
     group_pooled_backward_torch,
@@ -342,8 +343,14 @@ def group_fused_backward(
     """Reduce ``grad_out [B, dim]`` (or ``[G, B, dim]``) per stored row of the group and
     apply one step of each table's optimizer (``optim``), in place. A lookup made by
     the registered ops (its unique rows given) is reduced by ``kvemb::fused_backward``,
-    one of the torch path by the torch path."""
+    one of the torch path by the torch path.
+
+    Gradient clipping clamps ``grad_out`` itself, bag by bag (id by id for a
+    sequence lookup), before it reaches the rows, as FBGEMM's TBE clamps the
+    gradient of its output (``clip_output_gradient``): the optimizers then run
+    without clipping."""
     weights, state = storage.weights, storage.state
+    grad_out, optim = clip_output_gradient(grad_out, optim.config), unclipped(optim)
     if lookup.unique_index is None:
         _fused_backward_torch(weights, state, optim, lookup.slots, grad_out, bags)
         return
@@ -362,6 +369,13 @@ def group_fused_backward(
         config.eps, config.beta1, config.beta2, config.weight_decay,
         int(config.weight_decay_mode), config.gradient_clipping, config.max_gradient,
     )  # fmt: skip
+
+
+def unclipped(optim: GroupOptimizer) -> GroupOptimizer:
+    """``optim`` with its configs' clipping off (applied to the output gradient)."""
+    if not optim.config.gradient_clipping:
+        return optim
+    return optim._replace(configs=tuple(replace(c, gradient_clipping=False) for c in optim.configs))
 
 
 def _fused_backward_torch(

@@ -14,6 +14,17 @@ import torch
 from torchrec_kvemb.optimizer import FusedOptimConfig, OptimKind, WeightDecay
 
 
+def clip_output_gradient(grad_out: torch.Tensor, config: FusedOptimConfig) -> torch.Tensor:
+    """The gradient of a lookup's output as the optimizer ``config`` takes it: with
+    ``gradient_clipping``, each element clamped to ``[-max_gradient, max_gradient]``,
+    bag by bag before the bags' gradients are reduced into rows, as FBGEMM's TBE
+    clamps its output's gradient (a row read by several bags sums their clamped
+    gradients; MEAN and per-sample weights scale the clamped gradient)."""
+    if not config.gradient_clipping:
+        return grad_out
+    return grad_out.clamp(-config.max_gradient, config.max_gradient)
+
+
 def optimizer_update_torch(
     weights: torch.Tensor,
     state: torch.Tensor,
@@ -25,6 +36,9 @@ def optimizer_update_torch(
     """Apply one optimizer step to rows ``slots`` (unique) given their ``grads``, in place.
 
     ``step`` counts this table's optimizer steps from 1 (Adam's bias correction).
+    ``config.gradient_clipping`` here clamps each row's summed gradient (the kernels'
+    option of the same name); a lookup's backward clips its output's gradient
+    instead (``clip_output_gradient``) and runs this unclipped.
     """
     if slots.numel() == 0:
         return
