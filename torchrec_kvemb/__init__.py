@@ -1,5 +1,6 @@
 """Key-value, zero-collision embedding tables for TorchRec."""
 
+import torchrec_kvemb.inference  # noqa: F401 (KV collections in quantize_inference_model)
 from torchrec_kvemb.contracts import BucketizeResult
 from torchrec_kvemb.dispatch import block_bucketize_2d
 from torchrec_kvemb.ebc import KVEmbeddingBagCollection
