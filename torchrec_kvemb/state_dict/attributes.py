@@ -5,17 +5,18 @@ checkpoint.state_dict``'s ``get_model_state_dict`` / ``set_model_state_dict``,
 ``get_state_dict`` / ``set_state_dict``, which resolve ``ebc.embedding_bags.user.weight``
 as ``model.ebc.embedding_bags.user.weight``) and the composable APIs' FQN check
 (``torchrec.distributed.shard.shard`` / ``shard_modules``, which compare a module's
-``named_modules()`` before and after sharding) see a KV module as they see a stock
-one: an ``nn.ModuleDict`` under ``embedding_bags`` (``embeddings`` for a sequence
-collection) with one :class:`KVTableEntries` module per KV table. Such a module has
-no parameters or buffers (a KV table's content lives in its ``KVTable``, and a table
-of ``2**63 - 1`` ids fits no tensor); each of its state_dict keys (``weight``,
-``weight_id``, ``momentum1``, ...) resolves to a :class:`KVStateKey` naming it. The
-values are in ``state_dict()``.
+``named_modules()`` and ``named_parameters()`` before and after sharding) see a KV
+module as they see a stock one: an ``nn.ModuleDict`` under ``embedding_bags``
+(``embeddings`` for a sequence collection) with one :class:`KVTableEntries` module
+per KV table. Such a module has one parameter, ``weight``, with no rows (a KV
+table's content lives in its ``KVTable``, and a table of ``2**63 - 1`` ids fits no
+tensor); its other state_dict keys (``weight_id``, ``momentum1``, ...) resolve to a
+:class:`KVStateKey` naming them. The values are in ``state_dict()``.
 
 Example::
 
-    ebc.embedding_bags["user"].weight       # KVStateKey(table='user', key='weight')
+    ebc.embedding_bags["user"].weight       # a [0, dim] placeholder
+    ebc.embedding_bags["user"].weight_id    # KVStateKey(table='user', key='weight_id')
     ebc.state_dict()["embedding_bags.user.weight"]   # the rows
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from torchrec_kvemb.state_dict.rows import KNOWN_KEYS
@@ -43,33 +45,65 @@ class KVStateKey:
 
 
 class KVTableEntries(nn.Module):
-    """A KV table under ``<attribute>.<table>`` of its collection: no parameters or
-    buffers; its state_dict keys resolve as attributes (:class:`KVStateKey`).
+    """A KV table under ``<attribute>.<table>`` of its collection, as a stock table's
+    module: a ``weight`` parameter with no rows (the name a stock table's weight
+    has, so that sharding a stock module keeps its parameter names; a KV table's
+    rows live in its ``KVTable``, and ``2**63 - 1`` ids fit no tensor), no buffers;
+    its other state_dict keys resolve as attributes (:class:`KVStateKey`). It adds
+    nothing to ``state_dict()`` and loads nothing itself: the collection's hooks
+    write and read the table's entries.
 
     Example::
 
-        entries = KVTableEntries("user")
-        entries.exp_avg     # KVStateKey(table='user', key='exp_avg')
+        entries = KVTableEntries("user", dim=8)
+        entries.weight.shape    # torch.Size([0, 8])
+        entries.exp_avg         # KVStateKey(table='user', key='exp_avg')
     """
 
-    def __init__(self, table: str) -> None:
+    def __init__(self, table: str, dim: int, device: torch.device | None = None) -> None:
         super().__init__()
+        self.weight = nn.Parameter(torch.empty(0, dim, device=device), requires_grad=False)
         self.table = table
 
     def __getattr__(self, name: str) -> object:
-        if name in KNOWN_KEYS:
-            return KVStateKey(self.__dict__["table"], name)
+        table = self.__dict__.get("table")
+        if table is not None and name in KNOWN_KEYS and name not in self.__dict__["_parameters"]:
+            return KVStateKey(table, name)
         return super().__getattr__(name)
 
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        """Nothing: the collection's state_dict hook writes the table's entries."""
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict,
+        prefix: str,
+        local_metadata: dict,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        """Nothing to load (the collection's hook took the table's entries); keys left
+        under the table's prefix are unexpected."""
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix))
+
     def extra_repr(self) -> str:
-        return f"table={self.table!r}"
+        return f"table={self.table!r}, dim={self.weight.shape[1]}"
 
 
-def install_table_entries(module: nn.Module, attribute: str, tables: list[str]) -> None:
+def install_table_entries(
+    module: nn.Module,
+    attribute: str,
+    tables: dict[str, int],
+    device: torch.device | None = None,
+) -> None:
     """Give ``module`` a :class:`KVTableEntries` under ``<attribute>.<table>`` for each
-    KV table in ``tables``: in its ``nn.ModuleDict`` ``attribute`` where it has one (a
-    sharded collection's, which holds the stock tables' modules too; a KV table's entry
-    replaces the empty module there), else in a new one. A table named as an
+    KV table in ``tables`` (name: dim), its placeholder on ``device``: in its
+    ``nn.ModuleDict`` ``attribute`` where it has one (a sharded collection's, which
+    holds the stock tables' modules too; a KV table's entry replaces the empty module
+    there), else in a new one. A table named as an
     attribute of ``nn.ModuleDict`` (``items``, ``keys``, ...) gets none: a stock
     collection cannot hold it either, and the module's own ``state_dict`` is unchanged."""
     container = module._modules.get(attribute)
@@ -88,4 +122,4 @@ def install_table_entries(module: nn.Module, attribute: str, tables: list[str]) 
                 f"table {name!r}: {attribute}.{name} already holds parameters or buffers; a "
                 "KV table's entries cannot take its place"
             )
-        container[name] = KVTableEntries(name)
+        container[name] = KVTableEntries(name, tables[name], device)

@@ -78,7 +78,14 @@ def _register(
     module: nn.Module, sharded: bool, group: dist.ProcessGroup | None, attribute: str
 ) -> None:
     # Each entry's key as an attribute path (torch's state-dict helpers walk keys so).
-    install_table_entries(module, attribute, [layout.name for layout in module.kv_layouts()])
+    layouts = module.kv_layouts()
+    devices = [layout.table.device for layout in layouts if layout.table is not None]
+    install_table_entries(
+        module,
+        attribute,
+        {layout.name: layout.dim for layout in layouts},
+        devices[0] if devices else None,
+    )
 
     # The hooks get the module as an argument: closing over it would make a
     # reference cycle that keeps a model (and its process group) alive until gc.
