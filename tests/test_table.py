@@ -181,6 +181,9 @@ def test_initial_row_distribution(init):
     if init == Initializer.UNIFORM:
         assert rows.min() >= -0.5 and rows.max() < 1.5
         assert abs(rows.mean().item() - 0.5) < 0.02
+    elif init == Initializer.TRUNC_NORMAL:  # N(1, 2) on [-0.5, 1.5]: mean 0.5403
+        assert rows.min() >= -0.5 and rows.max() <= 1.5
+        assert abs(rows.mean().item() - 0.5403) < 0.02
     else:
         assert abs(rows.mean().item() - 1.0) < 0.03
         assert abs(rows.std().item() - 2.0) < 0.03
