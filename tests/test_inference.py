@@ -200,3 +200,15 @@ def test_a_sharded_model_is_refused(one_rank) -> None:  # noqa: F811
     dmp = shard_on_one_rank(model, [sharder], ["t1"], "row_wise")
     with pytest.raises(ValueError, match="ShardedKVEmbeddingBagCollection: quantize_inference"):
         quantize_inference_model(dmp, quantization_dtype=torch.float16)
+
+
+def test_a_collection_on_meta_quantizes_on_meta() -> None:
+    """TorchRec's inference flow builds the model on meta, quantizes, then shards."""
+    model = Model(
+        KVEmbeddingBagCollection(BAG_CONFIGS, KVTableOptions(capacity=64), device="meta"),
+        KVEmbeddingCollection(SEQ_CONFIGS, KVTableOptions(capacity=64), device="meta"),
+    )
+    quantize_inference_model(model, quantization_dtype=torch.bfloat16)
+    for name, table in all_tables(model).items():
+        assert (table.weights.device.type, table.weights.dtype) == ("meta", torch.bfloat16), name
+    assert type(model.ebc) is QuantKVEmbeddingBagCollection

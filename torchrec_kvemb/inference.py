@@ -99,6 +99,12 @@ def quantized_copy(
             "the float model for inference (docs/inference.md)"
         )
     tables = module.kv_tables()
+    if _device_of(module).type == "meta":  # no rows to copy: the same tables, on meta
+        options = {
+            name: replace(_inference_options(t.options, t.capacity), weights_dtype=dtypes[name])
+            for name, t in tables.items()
+        }
+        return _build(module, options).eval()
     exports = {name: table.export() for name, table in tables.items()}
     capacity = {name: max(table.capacity, 1) for name, table in tables.items()}
     while True:
