@@ -2,7 +2,8 @@
 torch path: every kind of draw (uniform, constant, normal, truncated normal).
 
 * The pooled forward of ids with no row (``group_pooled_forward_triton``, each id a
-  bag of its own) gives each id its table's initial row.
+  bag of its own) gives each id its table's initial row (on the device under test:
+  ``KVEMB_TEST_DEVICE=cuda`` compiles it for the GPU).
 * The group lookup (``group_lookup_train_triton``) writes new rows of a truncated
   normal table to float tolerance and of a constant table bit for bit.
 """
@@ -37,19 +38,22 @@ NAMES = ("uniform", "constant", "normal", "trunc-normal", "trunc-normal-off-cent
 
 
 @pytest.mark.parametrize("dim", [3, 37], ids=lambda d: f"dim{d}")
-def test_missing_rows_pool_as_each_tables_initial_rows(dim: int) -> None:
-    layout = GroupLayout.build([1] * len(OPTIONS), [0] * len(OPTIONS), OPTIONS)
+def test_missing_rows_pool_as_each_tables_initial_rows(dim: int, device: torch.device) -> None:
+    """On the device under test (the interpreter on the CPU, compiled on CUDA)."""
+    layout = GroupLayout.build([1] * len(OPTIONS), [0] * len(OPTIONS), OPTIONS, device)
     g = torch.Generator().manual_seed(dim)
     n = 61
     ids = torch.randint(0, INT64_MAX, (n,), generator=g)
     ids[0] = INT64_MAX
     table_idx = torch.arange(n) % len(OPTIONS)
-    slots = torch.full((n,), -1)
-    bags = Bags.build(torch.arange(n + 1), n)
-    weights = torch.zeros(WAYS * len(OPTIONS), dim)
+    on = {"device": device}
+    bags = Bags.build(torch.arange(n + 1, **on), n)
+    weights = torch.zeros(WAYS * len(OPTIONS), dim, **on)
     got = group_pooled_forward_triton(
-        layout, weights, slots, ids, table_idx, bags, torch.arange(n), False
-    )
+        layout, weights, torch.full((n,), -1, **on), ids.to(device), table_idx.to(device), bags,
+        torch.arange(n, **on), False,
+    ).cpu()  # fmt: skip
+    layout = layout.to("cpu")
     for t, spec in enumerate(layout.init_specs):
         mine = table_idx == t
         want = init_rows(ids[mine], dim, spec.seed, spec.normal, spec.a, spec.b)
