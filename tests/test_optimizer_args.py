@@ -15,10 +15,11 @@ as its reference and compares rows (and outputs) after a few steps:
   decay always decoupled, ``w -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * w)``,
   with the output gradient clamped first when clipping (FBGEMM's rule);
 * under ``DistributedModelParallel`` (one gloo rank), a stock
-  ``EmbeddingBagCollection`` whose weights ``apply_optimizer_in_backward``
-  marked, sharded by the KV sharder, against the same collection sharded by
-  TorchRec's own sharder (FBGEMM's fused tables) or, for ``torch.optim.Adam``
-  (whose ``betas`` FBGEMM's TBE does not take), against ``fbgemm_adam``.
+  ``EmbeddingBagCollection`` (or ``EmbeddingCollection``) whose weights
+  ``apply_optimizer_in_backward`` marked, sharded by the KV sharder, against
+  the same collection sharded by TorchRec's own sharder (FBGEMM's fused
+  tables) or, for ``torch.optim.Adam`` (whose ``betas`` FBGEMM's TBE does not
+  take), against ``fbgemm_adam``.
 
 And each argument a KV table cannot run as FBGEMM would is refused with a
 ``FusedParamsError`` naming it (and the table, where one is known).
@@ -43,7 +44,7 @@ from fbgemm_gpu.tbe.config.optimizer_config import (
 )
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.optim import LAMB, RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -52,6 +53,7 @@ from torchrec_kvemb import (
     KVEmbeddingBagCollection,
     KVEmbeddingBagCollectionSharder,
     KVEmbeddingCollection,
+    KVEmbeddingCollectionSharder,
     KVTableOptions,
 )
 from torchrec_kvemb.optimizer import (
@@ -501,3 +503,25 @@ def test_keys_that_change_no_number_are_accepted(key: str) -> None:
     assert FusedOptimConfig.from_fused_params({**params, key: object()}, "t") == (
         FusedOptimConfig.from_fused_params(params)
     )
+
+
+def test_torch_adam_in_backward_sharded_sequences(one_rank) -> None:
+    """The same through ``KVEmbeddingCollectionSharder`` on a stock
+    ``EmbeddingCollection``: betas, eps and decay reach the KV table; rows equal
+    FBGEMM's Adam update with every id its own row."""
+    ec = EmbeddingCollection(
+        [EmbeddingConfig(name="t", embedding_dim=DIM, num_embeddings=ROWS, feature_names=FEATURES)],
+        device=torch.device("meta"),
+    )
+    kwargs = {"lr": 0.05, "betas": (0.8, 0.95), "eps": 1e-3, "weight_decay": 0.1}
+    apply_optimizer_in_backward(torch.optim.Adam, ec.embeddings.parameters(), kwargs)
+    sharder = KVEmbeddingCollectionSharder({"t": KVTableOptions(capacity=64)})
+    model = shard_on_one_rank(ec, [sharder], ["t"], "row_wise")
+    table = model.module.kv_tables()["t"]
+    table.insert(torch.arange(ROWS), start_rows())
+    for ids, lengths, _ in batches():
+        out = model(kjt(ids, lengths))
+        values = torch.cat([out[f].values() for f in FEATURES])
+        values.backward(_sequence_grad(ids, lengths))
+    want = fbgemm_adam(0.05, (0.8, 0.95), 1e-3, 0.1, pooled=False)
+    torch.testing.assert_close(table.find(torch.arange(ROWS))[0], want, rtol=0, atol=1e-6)
