@@ -18,14 +18,17 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
+from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     ParameterSharding,
     QuantizedCommCodecs,
     ShardingEnv,
 )
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvemb.sharding.fused_optimizer import KVFusedOptimizer
+from torchrec_kvemb.sharding.index_dedup import dedup_features, table_labels
 from torchrec_kvemb.sharding.kv_embedding import KVTableSpecs
 from torchrec_kvemb.sharding.planner import KV_COMPUTE_KERNEL
 from torchrec_kvemb.state_dict.layout import TableLayout, sharded_layouts
@@ -109,6 +112,7 @@ class KVShardedMixin:
         device: torch.device | None = None,
         qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
         module_fqn: str | None = None,
+        use_index_dedup: bool = False,
     ) -> None:
         module = self.kv_module_to_shard(module, specs, table_name_to_parameter_sharding)
         # Read by the sharding factories, which the TorchRec base __init__ calls.
@@ -122,6 +126,8 @@ class KVShardedMixin:
             qcomm_codecs_registry=qcomm_codecs_registry,
             module_fqn=module_fqn,
         )
+        #: Send each id once per table per batch (read by the input dist).
+        self._use_index_dedup = use_index_dedup
 
     def kv_module_to_shard(
         self, module: nn.Module, specs: KVTableSpecs, plan: dict[str, ParameterSharding]
@@ -164,6 +170,24 @@ class KVShardedMixin:
         """``KVTable.metrics()`` of this rank's shards, by table name."""
         return {name: table.metrics() for name, table in self.kv_tables().items()}
 
+    def prefetch(
+        self,
+        dist_input: KJTList,
+        forward_stream: torch.Stream | None = None,
+        ctx: Any | None = None,
+    ) -> None:
+        """TorchRec's prefetch hook (``PrefetchTrainPipelineSparseDist`` calls it with a
+        coming batch's ids after the input all-to-all, while the current batch runs):
+        every KV table shard with an SSD tier starts reading the rows of the ids routed
+        to it (``KVTable.prefetch``); stock lookups prefetch as TorchRec's do."""
+        for features, lookup in zip(dist_input, self._lookups, strict=True):
+            while isinstance(lookup, nn.parallel.DistributedDataParallel):
+                lookup = lookup.module
+            if isinstance(lookup, self.kv_lookup_type):
+                prefetch_kv_lookup(lookup, features)
+            else:
+                lookup.prefetch(sparse_features=features, forward_stream=forward_stream)
+
     def _kv_lookups(self) -> list[Any]:
         """The lookups that hold KV tables (unwrapped from DDP)."""
         found = []
@@ -175,6 +199,29 @@ class KVShardedMixin:
         return found
 
     # ------------------------------------------------- base class hooks
+    def _create_hash_size_info(self, feature_names: list[str], ctx: Any | None = None) -> None:
+        """The sequence collection's index dedup set-up: which table each feature of
+        each sharding's batch belongs to (TorchRec's linearizes ids by table size, which
+        a KV table, keyed by any int64, does not have)."""
+        self._kv_dedup_labels = [
+            table_labels(sharding.embedding_tables())
+            for sharding in self._sharding_type_to_sharding.values()
+        ]
+
+    def _dedup_indices(self, ctx: Any, input_feature_splits: list[KeyedJaggedTensor]) -> list:
+        """The sequence collection's index dedup (``use_index_dedup``), by
+        :func:`~torchrec_kvemb.sharding.index_dedup.dedup_features` for KV and stock
+        tables alike (TorchRec's op for it has no CPU kernel): each sharding's batch with
+        each (table, id) once; the output's rows go back to every occurrence through
+        ``ctx.reverse_indices``, as TorchRec's do."""
+        deduped = []
+        for features, labels in zip(input_feature_splits, self._kv_dedup_labels, strict=True):
+            dedup, reverse = dedup_features(features, labels)
+            ctx.input_features.append(features)
+            ctx.reverse_indices.append(reverse)
+            deduped.append(dedup)
+        return deduped
+
     def reset_parameters(self) -> None:
         """The stock initialization for stock tables; KV rows are born from (id, seed)."""
         configs = getattr(self, self.kv_configs_attribute)
@@ -195,3 +242,25 @@ class KVShardedMixin:
             "resharding a collection with KV tables in place is not supported yet; save a "
             "checkpoint (torchrec_kvemb.checkpoint.save) and load it into the new sharding"
         )
+
+
+def prefetch_kv_lookup(lookup: Any, features: KeyedJaggedTensor) -> None:
+    """Start the SSD reads of a grouped lookup's KV tables for ``features`` (the
+    lookup's share of a batch after the input dist: its groups' features in order,
+    a feature once per table that reads it): each table shard with an SSD tier gets
+    the ids of its features (a KV lookup holds KV kernels only: ``kv_groups_first``)."""
+    per_group = features.split(lookup._feature_splits)
+    for module, group_features in zip(lookup._emb_modules, per_group, strict=True):
+        tables = getattr(module, "tables", None)
+        if tables is None:
+            continue
+        counts = group_features.length_per_key()
+        ids = group_features.values()
+        start = 0
+        k = 0
+        for config, table in zip(module.config.embedding_tables, tables, strict=True):
+            n = sum(counts[k : k + config.num_features()])
+            k += config.num_features()
+            if table.ssd is not None and n:
+                table.prefetch(ids[start : start + n])
+            start += n

@@ -99,6 +99,11 @@ class ShardedKVEmbeddingBagCollection(KVShardedMixin, ShardedEmbeddingBagCollect
     kv_configs_attribute = "_embedding_bag_configs"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_index_dedup"):
+            raise NotImplementedError(
+                "KVEmbeddingBagCollectionSharder(use_index_dedup=True): index dedup is "
+                "implemented for sequence collections only (KVEmbeddingCollectionSharder)"
+            )
         super().__init__(*args, **kwargs)
         self._pool_kv_mean_by_sum()
 

@@ -76,9 +76,13 @@ class KVSharderBase:
         fused_params: dict[str, Any] | None = None,
         qcomm_codecs_registry: dict[str, Any] | None = None,
         module_type: type[nn.Module] | None = None,
+        use_index_dedup: bool = False,
     ) -> None:
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
         who = type(self).__name__
+        if not isinstance(use_index_dedup, bool):
+            raise TypeError(f"{who}: use_index_dedup must be a bool, got {use_index_dedup!r}")
+        self._use_index_dedup = use_index_dedup
         module_type = module_type or self.stock_module
         if module_type not in (self.stock_module, self.kv_module):
             raise TypeError(
@@ -115,6 +119,12 @@ class KVSharderBase:
     @property
     def module_type(self) -> type[nn.Module]:
         return self._module_type
+
+    @property
+    def use_index_dedup(self) -> bool:
+        """Whether the sharded module sends each id once per table per batch
+        (:mod:`torchrec_kvemb.sharding.index_dedup`, docs/sharding.md)."""
+        return self._use_index_dedup
 
     @property
     def table_options(self) -> dict[str, KVTableOptions]:
@@ -207,4 +217,5 @@ class KVSharderBase:
             device=device,
             qcomm_codecs_registry=self.qcomm_codecs_registry,
             module_fqn=module_fqn,
+            use_index_dedup=self._use_index_dedup,
         )

@@ -1,0 +1,113 @@
+"""``use_index_dedup``: the de-duplication itself, the sharders' keyword, and sharded
+training with it against the same sharding without it and the unsharded module
+(one torchrun job, ``dedup_worker``)."""
+
+import json
+
+import pytest
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from tests.sharding import dedup_worker as worker
+from tests.torchrun_jobs import read_result, run_job, torchrun_command
+from torchrec_kvemb import (
+    KVEmbeddingBagCollectionSharder,
+    KVEmbeddingCollectionSharder,
+    KVTableOptions,
+)
+from torchrec_kvemb.sharding.index_dedup import dedup_features
+
+OPTIONS = {"t": KVTableOptions(capacity=64)}
+
+
+def kjt(keys, values, lengths, weights=None) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=keys,
+        values=torch.tensor(values),
+        lengths=torch.tensor(lengths),
+        weights=None if weights is None else torch.tensor(weights),
+    )
+
+
+def naive_dedup(features: KeyedJaggedTensor, labels: list[int]):
+    """One id at a time: the first occurrence of each (table, id) stays in its bag."""
+    ids = features.values().tolist()
+    bag_lengths = features.lengths().tolist()
+    stride = features.stride()
+    seen: dict[tuple[int, int], int] = {}
+    kept, lengths, reverse = [], [], []
+    i = 0
+    for bag, n in enumerate(bag_lengths):
+        label = labels[bag // stride]
+        count = 0
+        for _ in range(n):
+            pair = (label, ids[i])
+            if pair not in seen:
+                seen[pair] = len(kept)
+                kept.append(ids[i])
+                count += 1
+            reverse.append(seen[pair])
+            i += 1
+        lengths.append(count)
+    return kept, lengths, reverse
+
+
+CASES = {
+    "one_feature": (["f"], [7, 5, 7, 7], [2, 2], [0]),
+    "two_features_one_table": (["f", "g"], [7, 5, 5, 9, 7, 5], [3, 0, 1, 2], [0, 0]),
+    "two_tables": (["f", "g", "h"], [7, 5, 7, 7, 5, 9, 7, 3], [2, 2, 1, 1, 0, 2], [0, 0, 1]),
+    "empty_bags": (["f", "g"], [2**62 + 1, 2**62 + 1, 2**62 + 1], [0, 2, 1, 0], [0, 1]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_dedup_matches_one_id_at_a_time(case):
+    keys, values, lengths, labels = CASES[case]
+    features = kjt(keys, values, lengths)
+    dedup, reverse = dedup_features(features, labels)
+    kept, want_lengths, want_reverse = naive_dedup(features, labels)
+    assert dedup.keys() == keys and dedup.stride() == features.stride()
+    assert dedup.values().tolist() == kept
+    assert dedup.lengths().tolist() == want_lengths
+    assert reverse.tolist() == want_reverse
+    assert torch.equal(dedup.values()[reverse], features.values())
+
+
+def test_dedup_sums_weights_of_each_unique_id():
+    features = kjt(["f"], [4, 9, 4, 4], [3, 1], weights=[0.5, 1.0, 0.25, 2.0])
+    dedup, _ = dedup_features(features, [0])
+    assert dedup.values().tolist() == [4, 9]
+    assert dedup.weights().tolist() == [2.75, 1.0]
+
+
+def test_dedup_refuses_variable_batch_and_bad_labels():
+    vbe = KeyedJaggedTensor(
+        keys=["f", "g"],
+        values=torch.tensor([1, 2, 3]),
+        lengths=torch.tensor([1, 1, 1]),
+        stride_per_key_per_rank=[[1], [2]],
+    )
+    with pytest.raises(ValueError, match="VBE"):
+        dedup_features(vbe, [0, 1])
+    with pytest.raises(ValueError, match="2 table labels for 1 features"):
+        dedup_features(kjt(["f"], [1], [1]), [0, 0])
+
+
+@pytest.mark.parametrize(
+    "sharder", [KVEmbeddingCollectionSharder, KVEmbeddingBagCollectionSharder], ids=["ec", "ebc"]
+)
+def test_sharders_take_use_index_dedup(sharder):
+    assert sharder(OPTIONS).use_index_dedup is False
+    assert sharder(OPTIONS, use_index_dedup=True).use_index_dedup is True
+    with pytest.raises(TypeError, match="use_index_dedup must be a bool"):
+        sharder(OPTIONS, use_index_dedup="yes")
+
+
+def test_sharded_training_with_dedup_matches_without_and_unsharded(tmp_path):
+    result_path = tmp_path / "result.json"
+    job = run_job(torchrun_command(2, "-m", "tests.sharding.dedup_worker", str(result_path)))
+    result = read_result(result_path, job)
+    failed = {n: r for n, r in result["scenarios"].items() if not r["passed"]}
+    assert not failed, json.dumps(failed, indent=1)
+    assert set(result["scenarios"]) == set(worker.SCENARIOS)
+    assert job.returncode == 0, job.stderr[-6000:]
