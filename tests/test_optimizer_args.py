@@ -377,7 +377,8 @@ ROWWISE_IN_BACKWARD = {
             "max_gradient": 0.3,
         },
     ),
-    "torch-sgd": (torch.optim.SGD, {"lr": 0.3}),
+    # torch's SGD decays by L2; FBGEMM's SGD, which TorchRec runs it on, ignores the decay
+    "torch-sgd-weight-decay": (torch.optim.SGD, {"lr": 0.3, "weight_decay": 0.1}),
 }
 
 
