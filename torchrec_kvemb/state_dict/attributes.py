@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torchrec.optim.fused import EmptyFusedOptimizer
 
 from torchrec_kvemb.state_dict.rows import KNOWN_KEYS
 
@@ -48,7 +49,8 @@ class KVTableEntries(nn.Module):
     """A KV table under ``<attribute>.<table>`` of its collection, as a stock table's
     module: a ``weight`` parameter with no rows (the name a stock table's weight
     has, so that sharding a stock module keeps its parameter names; a KV table's
-    rows live in its ``KVTable``, and ``2**63 - 1`` ids fit no tensor), no buffers;
+    rows live in its ``KVTable``, and ``2**63 - 1`` ids fit no tensor), marked as
+    updated in backward as a stock fused table's weight is, no buffers;
     its other state_dict keys resolve as attributes (:class:`KVStateKey`). It adds
     nothing to ``state_dict()`` and loads nothing itself: the collection's hooks
     write and read the table's entries.
@@ -62,7 +64,12 @@ class KVTableEntries(nn.Module):
 
     def __init__(self, table: str, dim: int, device: torch.device | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(0, dim, device=device), requires_grad=False)
+        weight = nn.Parameter(torch.empty(0, dim, device=device), requires_grad=False)
+        # Updated in backward by the table's fused optimizer, as a stock fused table's
+        # weight: TorchRec's in_backward_optimizer_filter leaves it out of dense
+        # optimizers (and a CombinedOptimizer beside the fused one).
+        weight._in_backward_optimizers = [EmptyFusedOptimizer()]
+        self.weight = weight
         self.table = table
 
     def __getattr__(self, name: str) -> object:
