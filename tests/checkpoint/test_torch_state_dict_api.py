@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -31,11 +32,16 @@ from tests.checkpoint.test_optimizer_state import batch as sharded_batch
 from tests.checkpoint.test_optimizer_state import kv, sharded, stock_rows
 from tests.checkpoint.test_optimizer_state import train as train_sharded
 from tests.checkpoint.test_state_dict import ADAGRAD, ADAM, OPTIONS, assert_same, snapshot
+from tests.sharding.test_composable_shard import build as sequence_build
+from tests.sharding.test_composable_shard import local_state
+from tests.sharding.test_composable_shard import plan_for as sequence_plan
+from tests.sharding.test_composable_shard import train as train_sequences
 from torchrec_kvemb import KVEmbeddingBagCollection, KVEmbeddingCollection, checkpoint
 from torchrec_kvemb.checkpoint import CheckpointError
 from torchrec_kvemb.state_dict import KVStateKey
 
 DIM = 5
+CPU = torch.device("cpu")
 
 
 # ------------------------------------------------------------ unsharded
@@ -181,6 +187,10 @@ def test_dcp_save_and_load_of_get_model_state_dict(kind, tmp_path):
 
 
 # -------------------------------------------------------------- sharded
+def sequence_model() -> tuple[nn.Module, list]:
+    return sequence_build("sequences")
+
+
 SHARDINGS = pytest.mark.parametrize("sharding", ["row_wise", "table_wise"])
 
 
@@ -204,6 +214,37 @@ def test_sharded_round_trip_through_the_module_dmp_wraps(sharding, one_rank):
     assert_same(snapshot(kv(fresh)), snapshot(kv(model)))
     for name, value in stock_rows(model).items():
         assert torch.equal(stock_rows(fresh)[name], value), name
+
+
+@SHARDINGS
+def test_sharded_sequences_round_trip(sharding, one_rank):
+    """A stock ``EmbeddingCollection`` with a KV table by the sharder, a
+    ``KVEmbeddingCollection`` and a stock table, under DMP."""
+    model, sharders = sequence_model()
+    plan = sequence_plan(model, sharders, sharding)
+    model = DistributedModelParallel(
+        model, device=torch.device("cpu"), plan=plan, sharders=sharders
+    )
+    train_sequences("sequences", model, range(3))
+    state = get_model_state_dict(model.module)
+    assert list(state) == list(model.module.state_dict())
+    fresh, _ = sequence_model()
+    fresh = DistributedModelParallel(
+        fresh, device=torch.device("cpu"), plan=plan, sharders=sharders
+    )
+    loaded = set_model_state_dict(fresh.module, state)
+    assert not loaded.missing_keys and not loaded.unexpected_keys
+    fresh.fused_optimizer.load_state_dict(model.fused_optimizer.state_dict())
+    for a, b in zip(
+        train_sequences("sequences", model, range(3, 5)),
+        train_sequences("sequences", fresh, range(3, 5)),
+        strict=True,
+    ):
+        assert torch.equal(a, b)
+    want, got = local_state(model.module), local_state(fresh.module)
+    assert got["kv.embeddings.item.weight_id"].numel()
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
 
 
 def test_get_and_set_state_dict_with_a_dense_optimizer(one_rank):
