@@ -1,6 +1,7 @@
 """``use_index_dedup``: the de-duplication itself, the sharders' keyword, and sharded
 training with it against the same sharding without it and the unsharded module
-(one torchrun job, ``dedup_worker``)."""
+(one torchrun job, ``dedup_worker``): sequences row-wise and table-wise, bags row-wise
+unweighted and weighted (SUM and MEAN tables)."""
 
 import json
 

@@ -117,6 +117,7 @@ class KVShardedMixin:
         module = self.kv_module_to_shard(module, specs, table_name_to_parameter_sharding)
         # Read by the sharding factories, which the TorchRec base __init__ calls.
         self.__dict__["_kv_specs"] = specs
+        self.__dict__["_use_index_dedup"] = use_index_dedup
         super().__init__(  # type: ignore[call-arg]
             module,
             table_name_to_parameter_sharding,

@@ -22,23 +22,41 @@ from typing import Any
 import torch
 from torch import nn
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
-from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from torchrec.distributed.embedding_types import KJTList
+from torchrec.distributed.embeddingbag import (
+    EmbeddingBagCollectionContext,
+    ShardedEmbeddingBagCollection,
+)
 from torchrec.distributed.types import (
+    Awaitable,
+    LazyAwaitable,
     ParameterSharding,
     QuantizedCommCodecs,
     ShardingEnv,
     ShardingType,
 )
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_kvemb.ebc import KVEmbeddingBagCollection
 from torchrec_kvemb.sharding.kv_embedding import (
     KVGroupedPooledEmbeddingsLookup,
     KVTableSpecs,
 )
+from torchrec_kvemb.sharding.kv_sequence import KVGroupedEmbeddingsLookup
 from torchrec_kvemb.sharding.planner import KV_COMPUTE_KERNEL, check_plan
 from torchrec_kvemb.sharding.rw import KVRwPooledEmbeddingSharding
-from torchrec_kvemb.sharding.sharded_common import KVModuleView, KVShardedMixin, kv_groups_first
+from torchrec_kvemb.sharding.rw_dedup import (
+    KVDedupBagContext,
+    KVDedupBagFeaturesDist,
+    KVRwDedupPooledEmbeddingSharding,
+)
+from torchrec_kvemb.sharding.sharded_common import (
+    KV_GROUP_PREFIX,
+    KVModuleView,
+    KVShardedMixin,
+    kv_groups_first,
+)
 from torchrec_kvemb.sharding.tw import KVTwPooledEmbeddingSharding
 from torchrec_kvemb.state_dict.hooks import register_sharded_hooks
 
@@ -95,15 +113,11 @@ class ShardedKVEmbeddingBagCollection(KVShardedMixin, ShardedEmbeddingBagCollect
         sharded.kv_tables()["user"].size   # ids stored on this rank
     """
 
-    kv_lookup_type = KVGroupedPooledEmbeddingsLookup
+    #: Row-wise KV bags under ``use_index_dedup`` look ids up as a sequence lookup.
+    kv_lookup_type = (KVGroupedPooledEmbeddingsLookup, KVGroupedEmbeddingsLookup)
     kv_configs_attribute = "_embedding_bag_configs"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if kwargs.get("use_index_dedup"):
-            raise NotImplementedError(
-                "KVEmbeddingBagCollectionSharder(use_index_dedup=True): index dedup is "
-                "implemented for sequence collections only (KVEmbeddingCollectionSharder)"
-            )
         super().__init__(*args, **kwargs)
         self._pool_kv_mean_by_sum()
 
@@ -124,12 +138,24 @@ class ShardedKVEmbeddingBagCollection(KVShardedMixin, ShardedEmbeddingBagCollect
         fused_params: dict[str, Any] | None,
         suffix: str | None = "weight",
     ) -> dict[str, list[EmbeddingShardingInfo]]:
-        """The stock grouping, with KV tables under their own keys, KV first."""
-        return kv_groups_first(
+        """The stock grouping, with KV tables under their own keys, KV first; under
+        ``use_index_dedup``, row-wise KV tables by embedding dim (a deduplicated
+        sharding sends rows of one width)."""
+        infos = kv_groups_first(
             super().create_grouped_sharding_infos(
                 module, table_name_to_parameter_sharding, prefix, fused_params, suffix
             )
         )
+        key = KV_GROUP_PREFIX + ShardingType.ROW_WISE.value
+        if not self._use_index_dedup or key not in infos:
+            return infos
+        by_dim: dict[str, list[EmbeddingShardingInfo]] = {}
+        for info in infos[key]:
+            by_dim.setdefault(f"{key}:dim{info.embedding_config.embedding_dim}", []).append(info)
+        out = {}
+        for name, group in infos.items():
+            out.update(by_dim if name == key else {name: group})
+        return out
 
     def create_embedding_bag_sharding(
         self,
@@ -146,6 +172,15 @@ class ShardedKVEmbeddingBagCollection(KVShardedMixin, ShardedEmbeddingBagCollect
                 sharding_infos, env, device, permute_embeddings, qcomm_codecs_registry
             )
         sharding_cls = _KV_SHARDINGS[param_sharding.sharding_type]
+        if self._use_index_dedup:
+            if param_sharding.sharding_type != ShardingType.ROW_WISE.value:
+                names = sorted(i.embedding_config.name for i in sharding_infos)
+                raise ValueError(
+                    f"use_index_dedup: KV bag tables {names} are planned "
+                    f"{param_sharding.sharding_type}; index dedup of KV bags is row-wise "
+                    "only: constrain them to row_wise or drop use_index_dedup"
+                )
+            sharding_cls = KVRwDedupPooledEmbeddingSharding
         return sharding_cls(
             sharding_infos,
             env,
@@ -153,6 +188,29 @@ class ShardedKVEmbeddingBagCollection(KVShardedMixin, ShardedEmbeddingBagCollect
             qcomm_codecs_registry=qcomm_codecs_registry,
             specs=self._kv_specs,
         )
+
+    def input_dist(
+        self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor
+    ) -> Awaitable[Awaitable[KJTList]]:
+        """The stock input dist; a deduplicated sharding's context (its batch, where its
+        ids went) replaces the stock one (:mod:`.rw_dedup`)."""
+        awaitable = super().input_dist(ctx, features)
+        for i, input_dist in enumerate(self._input_dists):
+            if isinstance(input_dist, KVDedupBagFeaturesDist):
+                ctx.sharding_contexts[i] = input_dist.context(ctx.sharding_contexts[i])
+        return awaitable
+
+    def compute_and_output_dist(
+        self, ctx: EmbeddingBagCollectionContext, input: KJTList
+    ) -> LazyAwaitable[KeyedTensor]:
+        """The stock step; a deduplicated sharding's context first records the ids'
+        lengths after the input dist (its sequence all-to-all sends rows back by them)."""
+        for features, sharding_ctx in zip(input, ctx.sharding_contexts, strict=True):
+            if isinstance(sharding_ctx, KVDedupBagContext):
+                sharding_ctx.lengths_after_input_dist = features.lengths().view(
+                    -1, features.stride()
+                )
+        return super().compute_and_output_dist(ctx, input)
 
     def _initialize_torch_state(self, skip_registering: bool = False) -> None:
         """The stock state_dict entries, plus the KV tables' (docs/checkpoint-format.md)."""
