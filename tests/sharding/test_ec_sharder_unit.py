@@ -126,3 +126,26 @@ def test_kv_collection_that_holds_rows_is_refused():
     env = ShardingEnv(world_size=2, rank=0, pg=None)
     with pytest.raises(ValueError, match="KVEmbeddingCollection tables already hold rows"):
         sharder.shard(module, {"kv": _sharding(KV_COMPUTE_KERNEL)}, env)
+
+
+@pytest.mark.parametrize("sharding_type", [RW, TW])
+def test_a_stock_module_built_off_meta_keeps_its_stock_weights(fake_world, sharding_type):
+    """Built on CPU, a stock EmbeddingCollection's weights are copied into its sharded
+    form (TorchRec's rule for this collection): its stock tables' as the stock sharder
+    copies them; a KV table's rows are born from (id, seed), never from its weight."""
+    torch.manual_seed(3)
+    ec = EmbeddingCollection(
+        [
+            EmbeddingConfig(name="kv", embedding_dim=12, num_embeddings=97, feature_names=["f"]),
+            _configs()[1],
+        ]
+    )
+    constraints = {
+        "kv": ParameterConstraints(sharding_types=[sharding_type]),
+        "stock": ParameterConstraints(sharding_types=[DP]),
+    }
+    sharder = KVEmbeddingCollectionSharder(OPTIONS, fused_params=ADAGRAD)
+    sharded = sharder.shard(ec, _plan(ec, sharder, constraints), fake_world, torch.device("cpu"))
+    got = dict(sharded.named_parameters())["embeddings.stock.weight"]
+    assert torch.equal(got.detach(), ec.embeddings["stock"].weight.detach())
+    assert sharded.kv_tables()["kv"].size == 0

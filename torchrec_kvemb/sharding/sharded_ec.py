@@ -66,6 +66,27 @@ class _KVSequenceCollectionView(KVModuleView):
         return False
 
 
+class _StockWeightsView:
+    """A stock ``EmbeddingCollection`` as TorchRec's sharded collection reads it, with
+    its KV tables' weights left out of ``state_dict()`` (0-row placeholders): built
+    off the meta device, the stock module's weights are copied into the shards, which
+    a KV table's rows never are (they are born from (id, seed), as when the module is
+    on meta); the stock tables' weights are copied as TorchRec copies them."""
+
+    def __init__(self, module: nn.Module, kv_tables: set[str]) -> None:
+        self._module = module
+        self._kv_keys = {f"embeddings.{name}.weight" for name in kv_tables}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_module"], name)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {
+            key: torch.empty(0, value.shape[-1], device="meta") if key in self._kv_keys else value
+            for key, value in self._module.state_dict().items()
+        }
+
+
 class ShardedKVEmbeddingCollection(KVShardedMixin, ShardedEmbeddingCollection):
     """A sharded ``EmbeddingCollection`` (or ``KVEmbeddingCollection``) whose KV tables
     are sharded row-wise or table-wise over ``KVTable`` shards.
@@ -91,6 +112,8 @@ class ShardedKVEmbeddingCollection(KVShardedMixin, ShardedEmbeddingCollection):
         check_plan(specs.options, module.embedding_configs(), plan, list(KV_SEQUENCE_SHARDINGS))
         if isinstance(module, KVEmbeddingCollection):
             return _KVSequenceCollectionView(module)
+        if module.device != torch.device("meta"):
+            return _StockWeightsView(module, set(specs.options))
         return module
 
     # ------------------------------------------------- base class hooks
