@@ -6,7 +6,10 @@
   ``EmbeddingBagCollection`` / ``EmbeddingCollection`` holding those rounded rows
   (ids below ``num_embeddings``, rows set equal by id), and the float module's to
   the dtype's rounding. Rows on an SSD tier come along.
-* int8 (the function's default) and other dtypes: refused, naming the tables.
+* int8 (the function's default): row-wise int8 codes with a scale and bias per row
+  (``inference_int8``); outputs equal a stock collection holding the dequantized
+  rows, and the float model's to half a quantization step per id.
+* int4, int2: refused, naming the tables.
 * A sharded model: refused, saying to quantize the unsharded one.
 """
 
@@ -41,6 +44,7 @@ from torchrec_kvemb.inference import (
     QuantKVEmbeddingBagCollection,
     QuantKVEmbeddingCollection,
 )
+from torchrec_kvemb.inference_int8 import Int8KVEmbeddingBagCollection, Int8KVEmbeddingCollection
 
 ROWS = 101  # num_embeddings: ids of the batches are below it
 BAG_CONFIGS = [
@@ -101,14 +105,21 @@ def all_tables(model: Model) -> dict:
 def stock_twin(model: Model, dtype: torch.dtype) -> Model:
     """Stock collections whose row ``i`` is id ``i``'s KV row rounded to ``dtype``
     (zeros for ids without a row: what a read-only KV table pools for them)."""
+    rows = {n: t.export() for n, t in all_tables(model).items()}
+    return stock_twin_of_rows(
+        {n: (r["ids"], r["weights"].to(dtype).to(torch.float32)) for n, r in rows.items()}
+    )
+
+
+def stock_twin_of_rows(rows: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> Model:
+    """Stock collections whose row ``i`` is the given row of id ``i`` (else zeros)."""
     ebc, ec = EmbeddingBagCollection(BAG_CONFIGS), EmbeddingCollection(SEQ_CONFIGS)
-    kv_tables = all_tables(model)
     weights = {**dict(ebc.embedding_bags.items()), **dict(ec.embeddings.items())}
     with torch.no_grad():
         for name, module in weights.items():
-            rows = kv_tables[name].export()
+            ids, values = rows[name]
             module.weight.zero_()
-            module.weight[rows["ids"]] = rows["weights"].to(dtype).to(torch.float32)
+            module.weight[ids] = values
     return Model(ebc, ec)
 
 
@@ -152,8 +163,44 @@ def test_per_table_dtypes() -> None:
     assert dtypes == {**per_table, "s2": torch.float16}
 
 
-@pytest.mark.parametrize("dtype", [torch.int8, torch.quint4x2], ids=["int8", "int4"])
-def test_integer_dtypes_are_refused_naming_the_tables(dtype: torch.dtype) -> None:
+def test_int8_rows_quantize_row_wise() -> None:
+    """int8 (the function's default): each row as uint8 codes with a scale and a bias;
+    outputs equal a stock collection holding the dequantized rows, and the float
+    model's to half a quantization step per id."""
+    model = trained_model()
+    kjt = batch(7)
+    with torch.no_grad():
+        want_float = model(kjt)
+    float_rows = {n: t.export() for n, t in all_tables(model).items()}
+    quantize_inference_model(model, per_table_weight_dtype={"s2": torch.float16})
+    assert type(model.ebc) is Int8KVEmbeddingBagCollection
+    assert type(model.ec) is Int8KVEmbeddingCollection
+    tables = {**dict(model.ebc.tables.items()), **dict(model.ec.tables.items())}
+    assert {n: t.dtype for n, t in tables.items()} == {
+        "t1": torch.int8, "t2": torch.int8, "s1": torch.int8, "s2": torch.float16,
+    }  # fmt: skip
+    assert tables["t1"].rows.dtype == torch.uint8
+    step = 0.0
+    for name, table in tables.items():
+        want = float_rows[name]
+        assert torch.equal(table.ids, want["ids"]), name
+        error = (table.dequantized() - want["weights"]).abs()
+        if table.dtype == torch.int8:
+            half_step = table.scale_bias[:, :1] / 2
+            assert bool((error <= half_step * (1 + 1e-5) + 1e-7).all()), name
+            step = max(step, float(table.scale_bias[:, 0].max()))
+    twin = stock_twin_of_rows({n: (t.ids, t.dequantized()) for n, t in tables.items()})
+    with torch.no_grad():
+        got, want = model(kjt), twin(kjt)
+    assert got.keys() == want.keys() == want_float.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=1e-6, msg=key)
+        # a bag pools at most 3 ids, each within half a step
+        torch.testing.assert_close(got[key], want_float[key], atol=1.5 * step + 1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.quint4x2, torch.quint2x4], ids=["int4", "int2"])
+def test_other_dtypes_are_refused_naming_the_tables(dtype: torch.dtype) -> None:
     model = trained_model()
     words = "KVEmbeddingBagCollection: KV table(s) 't1' ({0}), 't2' ({0}) cannot be quantized"
     with pytest.raises(ValueError, match=re.escape(words.format(dtype))):
@@ -161,7 +208,9 @@ def test_integer_dtypes_are_refused_naming_the_tables(dtype: torch.dtype) -> Non
     sequence_only = Model(nn.Identity(), trained_model().ec)
     sequence_only.forward = lambda kjt: sequence_only.ec(kjt)
     with pytest.raises(ValueError, match=r"KVEmbeddingCollection: KV table\(s\) 's1'"):
-        quantize_inference_model(sequence_only, per_table_weight_dtype={"s2": torch.float16})
+        quantize_inference_model(
+            sequence_only, quantization_dtype=dtype, per_table_weight_dtype={"s2": torch.int8}
+        )
 
 
 def test_rows_on_the_ssd_tier_come_along(tmp_path) -> None:
@@ -204,11 +253,49 @@ def test_a_sharded_model_is_refused(one_rank) -> None:  # noqa: F811
 
 def test_a_collection_on_meta_quantizes_on_meta() -> None:
     """TorchRec's inference flow builds the model on meta, quantizes, then shards."""
-    model = Model(
-        KVEmbeddingBagCollection(BAG_CONFIGS, KVTableOptions(capacity=64), device="meta"),
-        KVEmbeddingCollection(SEQ_CONFIGS, KVTableOptions(capacity=64), device="meta"),
-    )
+
+    def on_meta() -> Model:
+        return Model(
+            KVEmbeddingBagCollection(BAG_CONFIGS, KVTableOptions(capacity=64), device="meta"),
+            KVEmbeddingCollection(SEQ_CONFIGS, KVTableOptions(capacity=64), device="meta"),
+        )
+
+    model = on_meta()
     quantize_inference_model(model, quantization_dtype=torch.bfloat16)
     for name, table in all_tables(model).items():
         assert (table.weights.device.type, table.weights.dtype) == ("meta", torch.bfloat16), name
     assert type(model.ebc) is QuantKVEmbeddingBagCollection
+    model = on_meta()
+    quantize_inference_model(model)
+    assert type(model.ec) is Int8KVEmbeddingCollection
+    for name, table in model.ec.tables.items():
+        assert (table.rows.device.type, table.rows.shape) == ("meta", (0, 7)), name
+
+
+def test_weighted_bags_quantize_to_int8() -> None:
+    """Per-sample weights scale each id's dequantized row: the SUM table as a stock
+    weighted collection holding the dequantized rows (stock has no weighted MEAN on
+    the CPU), both tables as the float model to the quantization step."""
+    ebc = KVEmbeddingBagCollection(BAG_CONFIGS, KVTableOptions(capacity=256), is_weighted=True)
+    kjt = batch(5)
+    weights = torch.rand(kjt.values().numel(), generator=torch.Generator().manual_seed(2))
+    kjt = KeyedJaggedTensor.from_lengths_sync(kjt.keys(), kjt.values(), kjt.lengths(), weights)
+    model = nn.Sequential()
+    model.add_module("ebc", ebc)
+    ebc(kjt)  # store the ids
+    model.eval()
+    with torch.no_grad():
+        want_float = ebc(kjt).values()
+    quantize_inference_model(model)
+    quant = model.ebc
+    assert type(quant) is Int8KVEmbeddingBagCollection and quant.is_weighted()
+    stock = EmbeddingBagCollection(BAG_CONFIGS[:1], is_weighted=True)
+    with torch.no_grad():
+        table = quant.tables["t1"]
+        stock.embedding_bags["t1"].weight.zero_()
+        stock.embedding_bags["t1"].weight[table.ids] = table.dequantized()
+        got, want = quant(kjt), stock(kjt).to_dict()
+    for key, stock_key in (("f1", "f1"), ("f2@t1", "f2")):
+        torch.testing.assert_close(got[key], want[stock_key], atol=1e-6, rtol=1e-6)
+    step = max(float(t.scale_bias[:, 0].max()) for t in quant.tables.values())
+    torch.testing.assert_close(got.values(), want_float, atol=1.5 * step + 1e-5, rtol=0)

@@ -4,24 +4,26 @@
 type name is in its mapping (``DEFAULT_QUANT_MAPPING``) for the mapped type's
 ``from_float`` of it, through torch's ``quantize_dynamic``. Importing
 ``torchrec_kvemb`` adds the KV collections to that mapping (``KV_QUANT_MAPPING``),
-so the call never passes over a KV table silently:
+so the call never passes over a KV table silently. By the dtype asked for each
+table (``quantization_dtype``, or ``per_table_weight_dtype`` by table name):
 
-* ``KVEmbeddingBagCollection`` / ``KVEmbeddingCollection`` with ``torch.float16``
-  or ``torch.bfloat16`` asked for a table (``quantization_dtype``, or
-  ``per_table_weight_dtype`` by table name) become a read-only collection of the
-  same class whose tables hold every stored id's row in that dtype, keyed by id as
-  before (``QuantKVEmbeddingBagCollection`` / ``QuantKVEmbeddingCollection``);
-  outputs equal the float module's in eval mode to the dtype's rounding.
-* Any other dtype (``torch.int8``, the function's default, int4, ...) is refused
-  with a ``ValueError`` naming the tables: a KV row has no integer storage.
-* Sharded KV collections are refused: quantize the unsharded model (as TorchRec's
-  inference flow does: quantize, then shard).
+* every table ``torch.float16`` / ``torch.bfloat16``: a read-only collection of
+  the same class whose tables hold every stored id's row in that dtype, keyed by
+  id as before (``QuantKVEmbeddingBagCollection`` / ``QuantKVEmbeddingCollection``);
+* some table ``torch.int8`` (the function's default), the others int8 or half:
+  an int8 inference collection (``inference_int8``: row-wise int8 codes with a
+  scale and bias per row, ids found by binary search);
+* any other dtype (int4, ...): refused with a ``ValueError`` naming the tables.
+
+Outputs equal the float module's in eval mode to the rows' rounding. Sharded KV
+collections are refused: quantize the unsharded model (as TorchRec's inference
+flow does: quantize, then shard).
 
 Example::
 
     model.eval()
-    quantize_inference_model(model, quantization_dtype=torch.float16)
-    model.ebc            # a QuantKVEmbeddingBagCollection, float16 rows
+    quantize_inference_model(model)  # int8 rows
+    quantize_inference_model(other, quantization_dtype=torch.float16)
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from torchrec.inference.modules import (
 
 from torchrec_kvemb.ebc import KVEmbeddingBagCollection
 from torchrec_kvemb.ec import KVEmbeddingCollection
+from torchrec_kvemb.inference_int8 import INT8_ROW_DTYPES, int8_copy
 from torchrec_kvemb.options import EvictionPolicy, KVTableOptions
 
 __all__ = [
@@ -128,7 +131,21 @@ def quantized_copy(
 
 def _from_float(module: nn.Module) -> nn.Module:
     try:
-        return quantized_copy(module, requested_dtypes(module))
+        dtypes = requested_dtypes(module)
+        if all(d in QUANT_ROW_DTYPES for d in dtypes.values()):
+            return quantized_copy(module, dtypes)
+        refused = {n: d for n, d in dtypes.items() if d not in INT8_ROW_DTYPES}
+        if refused:
+            names = ", ".join(f"{n!r} ({d})" for n, d in sorted(refused.items(), key=str))
+            raise ValueError(
+                f"{type(module).__name__}: KV table(s) {names} cannot be quantized to "
+                "that dtype: KV tables quantize to torch.int8, torch.float16 or "
+                "torch.bfloat16 rows. Pass one of them as quantization_dtype (or "
+                "per_table_weight_dtype={table: ...}) to quantize_inference_model, on a "
+                "freshly built or loaded model (torch keeps the qconfig a failed call "
+                "left on its modules); see docs/inference.md"
+            )
+        return int8_copy(module, dtypes)
     except ValueError:
         # why: torch keeps a module's qconfig over the next call's; a retry with
         # another dtype must see the new one.
