@@ -1,5 +1,7 @@
 // Fused backward of a group: per unique row, the gradient summed over its
-// occurrences, then one optimizer step on the row, in place.
+// occurrences, then one optimizer step on the row, in place. Clipping clamps
+// each bag's output gradient as it is read, before it is summed into rows
+// (FBGEMM's TBE clamps its output's gradient so).
 //
 // The training lookup already grouped occurrences by row (unique_index), so
 // no sort of slots is needed: a counting pass lists each unique's
@@ -80,12 +82,14 @@ struct Optimizer {
         decay_mode(a.weight_decay ? a.weight_decay_mode : 0),
         clip(a.gradient_clipping != 0) {}
 
+  // An element of a bag's output gradient as the rows take it (clipped).
+  float clipped(float g) const {
+    return clip ? std::min(std::max(g, -max_gradient), max_gradient) : g;
+  }
+
   // One step on row w (dim floats) with state s and gradient g (overwritten).
   void step(float* w, float* s, float* g, int64_t dim, double lr_d, int64_t t_step) const {
     const float lr = static_cast<float>(lr_d);
-    if (clip) {
-      for (int64_t d = 0; d < dim; ++d) g[d] = std::min(std::max(g[d], -max_gradient), max_gradient);
-    }
     if (decay_mode == 1) {
       for (int64_t d = 0; d < dim; ++d) g[d] = g[d] + decay * w[d];
     }
@@ -196,7 +200,11 @@ int backward(const KvBackwardArgs& a, Arena& arena) {
           scale = scale / static_cast<float>(std::max<int64_t>(length, 1));
         }
         const float* row = grad_row(b);
-        for (int64_t d = 0; d < dim; ++d) grad[d] += row[d] * scale;
+        if (optim.clip) {
+          for (int64_t d = 0; d < dim; ++d) grad[d] += optim.clipped(row[d]) * scale;
+        } else {
+          for (int64_t d = 0; d < dim; ++d) grad[d] += row[d] * scale;
+        }
       }
       const int64_t t = a.unique_table[u];
       char* const row = weights + slot * weight_bytes;

@@ -11,9 +11,10 @@ order by one program).
   scale`` in fp32.
 * Backward: torch sorts the ids by slot (stable); one program per sorted
   position: the first of each run of equal slots (one row) finds the run's
-  end, sums ``grad_out[bag] * scale`` over the run, then applies the table's
+  end, sums ``grad_out[bag] * scale`` over the run (``grad_out[bag]`` clamped
+  first with gradient clipping, FBGEMM's rule), then applies the table's
   optimizer to the row: SGD, row-wise Adagrad or Adam, L2 or decoupled weight
-  decay, gradient clipping; per-table learning rate and Adam bias corrections.
+  decay; per-table learning rate and Adam bias corrections.
 """
 
 # Triton's convention: constexpr kernel arguments are UPPER_CASE.
@@ -108,9 +109,12 @@ def group_pooled_fwd_kernel(
 @triton.jit
 def _row_gradient(
     grad_ptr, order_ptr, bag_of_ptr, scale_ptr, start, end, cols, col_mask, go_stride,
-    HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    max_gradient, CLIP: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Sum of ``grad[bag] * scale`` over the ids at sorted positions ``[start, end)``."""
+    """Sum of ``grad[bag] * scale`` over the ids at sorted positions ``[start, end)``;
+    ``CLIP``: each ``grad[bag]`` clamped to ``[-max_gradient, max_gradient]`` first
+    (FBGEMM clamps its output's gradient, bag by bag)."""
     g = tl.zeros([BLOCK_D], dtype=tl.float32)
     for i0 in range(start, end, BLOCK_N):
         idx = i0 + tl.arange(0, BLOCK_N)
@@ -122,6 +126,8 @@ def _row_gradient(
             mask=mask[:, None] & col_mask[None, :],
             other=0.0,
         ).to(tl.float32)
+        if CLIP:
+            rows = tl.minimum(tl.maximum(rows, -max_gradient), max_gradient)
         if HAS_SCALE:
             rows = rows * tl.load(scale_ptr + occ, mask=mask, other=0.0)[:, None]
         g += tl.sum(rows, axis=0)
@@ -192,10 +198,10 @@ def group_fused_bwd_kernel(
                 col_mask = cols < dim
                 g = _row_gradient(
                     grad_ptr, order_ptr, bag_of_ptr, scale_ptr, start, end, cols, col_mask,
-                    go_stride, HAS_SCALE, BLOCK_N, BLOCK_D,
+                    go_stride, max_gradient, CLIP, HAS_SCALE, BLOCK_N, BLOCK_D,
                 )  # fmt: skip
                 w = tl.load(w_row + cols, mask=col_mask, other=0.0).to(tl.float32)
-                g = _transformed(g, w, decay, max_gradient, L2, CLIP)
+                g = _transformed(g, w, decay, L2)
                 sq += tl.where(col_mask, g * g, 0.0)
             acc = tl.load(s_row) + tl.sum(sq, axis=0) / dim
             tl.store(s_row, acc)
@@ -205,10 +211,10 @@ def group_fused_bwd_kernel(
             col_mask = cols < dim
             g = _row_gradient(
                 grad_ptr, order_ptr, bag_of_ptr, scale_ptr, start, end, cols, col_mask,
-                go_stride, HAS_SCALE, BLOCK_N, BLOCK_D,
+                go_stride, max_gradient, CLIP, HAS_SCALE, BLOCK_N, BLOCK_D,
             )  # fmt: skip
             w = tl.load(w_row + cols, mask=col_mask, other=0.0).to(tl.float32)
-            g = _transformed(g, w, decay, max_gradient, L2, CLIP)
+            g = _transformed(g, w, decay, L2)
             if KIND == ADAM:
                 m_ptrs = s_row + cols
                 v_ptrs = s_row + EXP_AVG_SQ * dim + cols
@@ -228,10 +234,8 @@ def group_fused_bwd_kernel(
 
 
 @triton.jit
-def _transformed(g, w, decay, max_gradient, L2: tl.constexpr, CLIP: tl.constexpr):
-    """The gradient the optimizer sees: clipped, then plus L2 decay."""
-    if CLIP:
-        g = tl.minimum(tl.maximum(g, -max_gradient), max_gradient)
+def _transformed(g, w, decay, L2: tl.constexpr):
+    """The gradient the optimizer sees: plus L2 decay."""
     if L2:
         g = g + decay * w
     return g

@@ -15,7 +15,6 @@ never compiles them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -347,11 +346,10 @@ def group_fused_backward(
 
     Gradient clipping clamps ``grad_out`` itself, bag by bag (id by id for a
     sequence lookup), before it reaches the rows, as FBGEMM's TBE clamps the
-    gradient of its output (``clip_output_gradient``): the optimizers then run
-    without clipping."""
+    gradient of its output (``clip_output_gradient``; the kernels as they read it)."""
     weights, state = storage.weights, storage.state
-    grad_out, optim = clip_output_gradient(grad_out, optim.config), unclipped(optim)
     if lookup.unique_index is None:
+        grad_out = clip_output_gradient(grad_out, optim.config)
         _fused_backward_torch(weights, state, optim, lookup.slots, grad_out, bags)
         return
     op = registered("fused_backward", weights.device)
@@ -369,13 +367,6 @@ def group_fused_backward(
         config.eps, config.beta1, config.beta2, config.weight_decay,
         int(config.weight_decay_mode), config.gradient_clipping, config.max_gradient,
     )  # fmt: skip
-
-
-def unclipped(optim: GroupOptimizer) -> GroupOptimizer:
-    """``optim`` with its configs' clipping off (applied to the output gradient)."""
-    if not optim.config.gradient_clipping:
-        return optim
-    return optim._replace(configs=tuple(replace(c, gradient_clipping=False) for c in optim.configs))
 
 
 def _fused_backward_torch(

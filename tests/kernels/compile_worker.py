@@ -122,10 +122,9 @@ def drive_ebc() -> None:
     from torchrec_kvemb.optimizer import WeightDecay
 
     setups = [
-        ({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD}, PoolingType.SUM, False),
         (
             {
-                "optimizer": EmbOptimType.ADAM,
+                "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
                 "weight_decay": 0.01,
                 "weight_decay_mode": WeightDecay.L2,
             },
@@ -134,12 +133,15 @@ def drive_ebc() -> None:
         ),
         (
             {
-                "optimizer": EmbOptimType.EXACT_SGD,
+                "optimizer": EmbOptimType.ADAM,
                 "weight_decay": 0.01,
                 "weight_decay_mode": WeightDecay.DECOUPLE,
-                "gradient_clipping": True,
-                "max_gradient": 0.5,
             },
+            PoolingType.SUM,
+            False,
+        ),
+        (
+            {"optimizer": EmbOptimType.EXACT_SGD, "gradient_clipping": True, "max_gradient": 0.5},
             PoolingType.SUM,
             True,
         ),

@@ -51,7 +51,7 @@ from torchrec_kvemb.kernels.probe import probe_triton
 from torchrec_kvemb.ops.block_bucketize import block_bucketize_2d_torch
 from torchrec_kvemb.ops.hashing import index_bucket
 from torchrec_kvemb.ops.insert import insert_torch
-from torchrec_kvemb.ops.optimizer_update import optimizer_update_torch
+from torchrec_kvemb.ops.optimizer_update import clip_output_gradient, optimizer_update_torch
 from torchrec_kvemb.ops.pooled_lookup import (
     group_pooled_backward_torch,
     group_pooled_forward_torch,
@@ -289,7 +289,7 @@ def test_fused_backward(device: torch.device, dim: int, name: str) -> None:
     grad_out = torch.randn(b.offsets.numel() - 1, dim, generator=g)
 
     weights, want_state = b.weights.clone(), state.clone()
-    uniq, grads = group_pooled_backward_torch(grad_out, b.slots, bags)
+    uniq, grads = group_pooled_backward_torch(clip_output_gradient(grad_out, config), b.slots, bags)
     for t, start in enumerate(STARTS.tolist()):
         mine = ((uniq >= start) & (uniq < start + ROWS[t])).nonzero().squeeze(1)
         optimizer_update_torch(

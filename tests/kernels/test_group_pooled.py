@@ -23,7 +23,7 @@ from torchrec_kvemb.kernels.group_pooled import (
     group_fused_backward_triton,
     group_pooled_forward_triton,
 )
-from torchrec_kvemb.ops.optimizer_update import optimizer_update_torch
+from torchrec_kvemb.ops.optimizer_update import clip_output_gradient, optimizer_update_torch
 from torchrec_kvemb.ops.pooled_lookup import (
     group_pooled_backward_torch,
     group_pooled_forward_torch,
@@ -185,7 +185,7 @@ def fused_backward_both(b: Batch, bags: Bags, config: FusedOptimConfig, seed: in
     weights_t, state_t = b.weights.clone(), state.clone()
     weights_k, state_k = b.weights.clone(), state.clone()
 
-    uniq, grads = group_pooled_backward_torch(grad_out, b.slots, bags)
+    uniq, grads = group_pooled_backward_torch(clip_output_gradient(grad_out, config), b.slots, bags)
     for t, start in enumerate(STARTS.tolist()):
         mine = ((uniq >= start) & (uniq < start + ROWS[t])).nonzero().squeeze(1)
         optimizer_update_torch(

@@ -1,6 +1,7 @@
 """Fused optimizer row update (torch path).
 
-``optimizer_update_torch`` is the reference: the update of the Triton fused
+``optimizer_update_torch`` is the reference (after ``clip_output_gradient`` on
+the lookup's output gradient, where clipping is on): the update of the Triton fused
 backward (``kernels/group_pooled.py``) and of the native one (``csrc/``) are
 tested against it, and it is tested against FBGEMM's CPU TBE backward and
 torch's own optimizers (tests/ops/test_pooled_lookup.py,
@@ -36,17 +37,14 @@ def optimizer_update_torch(
     """Apply one optimizer step to rows ``slots`` (unique) given their ``grads``, in place.
 
     ``step`` counts this table's optimizer steps from 1 (Adam's bias correction).
-    ``config.gradient_clipping`` here clamps each row's summed gradient (the kernels'
-    option of the same name); a lookup's backward clips its output's gradient
-    instead (``clip_output_gradient``) and runs this unclipped.
+    Gradient clipping is not here: it clamps the gradient of the lookup's output,
+    before ``grads`` are summed from it (``clip_output_gradient``).
     """
     if slots.numel() == 0:
         return
     # Half-precision rows: the update computes in float32 and rounds to nearest on store.
     w = weights.index_select(0, slots).to(torch.float32)
     g = grads.to(torch.float32)
-    if config.gradient_clipping:
-        g = g.clamp(-config.max_gradient, config.max_gradient)
     decay = config.weight_decay
     if decay and config.weight_decay_mode == WeightDecay.L2:
         g = g + decay * w

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from torchrec_kvemb.contracts import Bags, InitSpec
 from torchrec_kvemb.ops.hashing import init_rows
-from torchrec_kvemb.ops.optimizer_update import optimizer_update_torch
+from torchrec_kvemb.ops.optimizer_update import clip_output_gradient, optimizer_update_torch
 from torchrec_kvemb.optimizer import FusedOptimConfig
 
 
@@ -121,5 +121,6 @@ def pooled_backward_update_torch(
     """The torch reference of a fused backward of one table: the gradient of each
     stored row (``slots``: the table's own), then one step of ``config`` (``step``:
     this step's count, from 1), in place."""
+    grad_out = clip_output_gradient(grad_out, config)
     uniq, grads = group_pooled_backward_torch(grad_out.contiguous(), slots, bags)
     optimizer_update_torch(weights, state, uniq, grads, config, step)
