@@ -148,6 +148,11 @@ class KVTableOptions:
     #: (docs/precision.md). Lookups pool and updates compute in float32 either way;
     #: optimizer state stays float32.
     weights_dtype: torch.dtype = torch.float32
+    #: Rows the table starts with (rounded as ``capacity`` is); it grows (doubling
+    #: its index buckets) when an insert would otherwise evict or fail, up to
+    #: ``capacity`` (or what ``memory_budget_bytes`` holds), and evicts only there
+    #: (docs/kv-table.md, "Tables that grow"). ``None``: start at the maximum.
+    initial_capacity: int | None = None
 
     def __post_init__(self) -> None:
         if self.weights_dtype not in ROW_DTYPES:
@@ -163,6 +168,21 @@ class KVTableOptions:
             raise ValueError(
                 f"KVTableOptions: memory_budget_bytes must be > 0, got {self.memory_budget_bytes}"
             )
+        if self.initial_capacity is not None:
+            if self.initial_capacity <= 0:
+                raise ValueError(
+                    f"KVTableOptions: initial_capacity must be > 0, got {self.initial_capacity}"
+                )
+            if self.capacity is not None and self.initial_capacity > self.capacity:
+                raise ValueError(
+                    f"KVTableOptions: initial_capacity {self.initial_capacity} is above "
+                    f"capacity {self.capacity} (the most the table grows to)"
+                )
+            if self.ssd is not None:
+                raise ValueError(
+                    "KVTableOptions: initial_capacity with an SSD tier is not supported "
+                    "(a table over an SSD tier keeps its memory capacity fixed); drop one"
+                )
         if self.admission_threshold < 1:
             raise ValueError(
                 f"KVTableOptions: admission_threshold must be >= 1, got {self.admission_threshold}"
