@@ -8,6 +8,7 @@ from torchrec_kvemb.ec import KVEmbeddingCollection
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import (
     EvictionPolicy,
+    HostTierOptions,
     Initializer,
     KVTableOptions,
     SSDOptions,
@@ -22,6 +23,7 @@ __all__ = [
     "block_bucketize_2d",
     "EvictionPolicy",
     "FusedOptimConfig",
+    "HostTierOptions",
     "Initializer",
     "KVEmbeddingBagCollection",
     "KVEmbeddingBagCollectionSharder",

@@ -97,6 +97,52 @@ class SSDOptions:
             raise ValueError(f"SSDOptions: io_threads must be >= 1, got {self.io_threads}")
 
 
+@dataclass(frozen=True)
+class HostTierOptions:
+    """Options of the host-memory tier under a KV table (see docs/tiers.md).
+
+    The table's own rows (on its device) become a cache over rows kept in host
+    memory by the native CPU kernels; a row the table evicts moves there, and
+    comes back when its id is looked up again. With ``KVTableOptions.ssd`` too,
+    the host tier sits between them: the rows it evicts move to the SSD tier.
+    Give ``capacity`` (rows), ``memory_budget_bytes`` (the rows that fit, index
+    included), or neither (it keeps every row it is given, growing).
+
+    Example::
+
+        HostTierOptions(capacity=10_000_000, eviction=EvictionPolicy.LRU)
+    """
+
+    #: Rows the host tier keeps; ``None`` with no budget: as many as come (it grows).
+    capacity: int | None = None
+    #: Bytes of host memory the tier's rows and index may take (instead of ``capacity``).
+    memory_budget_bytes: int | None = None
+    #: Which rows the host tier moves down (to the SSD tier, else drops) when full:
+    #: ``LRU`` (least recently used in the table for an LRU table, else moved down
+    #: longest ago), ``LFU`` (LFU tables only: lowest count), ``CUSTOM_SCORE``
+    #: (CUSTOM_SCORE tables only: lowest score) or ``NONE`` (keep held rows, pass
+    #: the new one down).
+    eviction: EvictionPolicy = EvictionPolicy.LRU
+    #: Rows in page-locked memory when the table is on CUDA (faster, asynchronous
+    #: copies to and from the device); ignored on the CPU.
+    pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        if self.capacity is not None and self.memory_budget_bytes is not None:
+            raise ValueError("HostTierOptions: give at most one of capacity or memory_budget_bytes")
+        if self.capacity is not None and self.capacity <= 0:
+            raise ValueError(f"HostTierOptions: capacity must be > 0 or None, got {self.capacity}")
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
+            raise ValueError(
+                "HostTierOptions: memory_budget_bytes must be > 0 or None, got "
+                f"{self.memory_budget_bytes}"
+            )
+        if not isinstance(self.eviction, EvictionPolicy):
+            raise TypeError(
+                f"HostTierOptions: eviction must be an EvictionPolicy, got {self.eviction!r}"
+            )
+
+
 #: The largest finite float32 (TRUNC_NORMAL's parameters are float32).
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -144,6 +190,8 @@ class KVTableOptions:
     #: 8! = 2^7 3^2 5 7 splits evenly over world sizes 1-10, 12, 16, 24, 32, 64, 128, ...
     total_num_buckets: int = 40320
     ssd: SSDOptions | None = None
+    #: A host-memory tier under the table's rows (over the SSD tier when both are given).
+    host_tier: HostTierOptions | None = None
     #: How rows are stored: ``torch.float32``, ``torch.float16`` or ``torch.bfloat16``
     #: (docs/precision.md). Lookups pool and updates compute in float32 either way;
     #: optimizer state stays float32.
@@ -153,6 +201,11 @@ class KVTableOptions:
     #: ``capacity`` (or what ``memory_budget_bytes`` holds), and evicts only there
     #: (docs/kv-table.md, "Tables that grow"). ``None``: start at the maximum.
     initial_capacity: int | None = None
+
+    @property
+    def tiered(self) -> bool:
+        """Whether the table has a lower tier (host memory, SSD or both)."""
+        return self.ssd is not None or self.host_tier is not None
 
     def __post_init__(self) -> None:
         if self.weights_dtype not in ROW_DTYPES:
@@ -183,6 +236,10 @@ class KVTableOptions:
                     "KVTableOptions: initial_capacity with an SSD tier is not supported "
                     "(a table over an SSD tier keeps its memory capacity fixed); drop one"
                 )
+        if self.host_tier is not None and not isinstance(self.host_tier, HostTierOptions):
+            raise TypeError(
+                f"KVTableOptions: host_tier must be a HostTierOptions, got {self.host_tier!r}"
+            )
         if self.admission_threshold < 1:
             raise ValueError(
                 f"KVTableOptions: admission_threshold must be >= 1, got {self.admission_threshold}"
