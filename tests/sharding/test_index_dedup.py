@@ -31,25 +31,25 @@ def kjt(keys, values, lengths, weights=None) -> KeyedJaggedTensor:
 
 
 def naive_dedup(features: KeyedJaggedTensor, labels: list[int]):
-    """One id at a time: the first occurrence of each (table, id) stays in its bag."""
+    """One table at a time in plain Python: its distinct ids sorted, all in the first
+    bag of its first key; each input id's position among them."""
     ids = features.values().tolist()
-    bag_lengths = features.lengths().tolist()
+    per_key = features.length_per_key()
     stride = features.stride()
-    seen: dict[tuple[int, int], int] = {}
-    kept, lengths, reverse = [], [], []
-    i = 0
-    for bag, n in enumerate(bag_lengths):
-        label = labels[bag // stride]
-        count = 0
-        for _ in range(n):
-            pair = (label, ids[i])
-            if pair not in seen:
-                seen[pair] = len(kept)
-                kept.append(ids[i])
-                count += 1
-            reverse.append(seen[pair])
-            i += 1
-        lengths.append(count)
+    kept, reverse = [], []
+    lengths = [0] * features.lengths().numel()
+    k = pos = 0
+    while k < len(labels):
+        end = k
+        while end < len(labels) and labels[end] == labels[k]:
+            end += 1
+        segment = ids[pos : pos + sum(per_key[k:end])]
+        distinct = sorted(set(segment))
+        reverse += [len(kept) + distinct.index(i) for i in segment]
+        lengths[k * stride] = len(distinct)
+        kept += distinct
+        pos += len(segment)
+        k = end
     return kept, lengths, reverse
 
 
@@ -75,10 +75,10 @@ def test_dedup_matches_one_id_at_a_time(case):
 
 
 def test_dedup_sums_weights_of_each_unique_id():
-    features = kjt(["f"], [4, 9, 4, 4], [3, 1], weights=[0.5, 1.0, 0.25, 2.0])
+    features = kjt(["f"], [9, 4, 4, 4], [3, 1], weights=[0.5, 1.0, 0.25, 2.0])
     dedup, _ = dedup_features(features, [0])
     assert dedup.values().tolist() == [4, 9]
-    assert dedup.weights().tolist() == [2.75, 1.0]
+    assert dedup.weights().tolist() == [3.25, 0.5]
 
 
 def test_dedup_refuses_variable_batch_and_bad_labels():
@@ -92,6 +92,8 @@ def test_dedup_refuses_variable_batch_and_bad_labels():
         dedup_features(vbe, [0, 1])
     with pytest.raises(ValueError, match="2 table labels for 1 features"):
         dedup_features(kjt(["f"], [1], [1]), [0, 0])
+    with pytest.raises(ValueError, match="features of a table must be consecutive"):
+        dedup_features(kjt(["f", "g", "h"], [1, 2, 3], [1, 1, 1]), [0, 1, 0])
 
 
 @pytest.mark.parametrize(

@@ -10,19 +10,20 @@ as it applies the sum of an id's gradients without dedup (FBGEMM's exact
 optimizers reduce a batch's gradients per id too). Rows are the same with and
 without dedup up to the order of that float sum.
 
-Each unique id keeps the place of its first occurrence: it stays in that
-occurrence's bag, in the same order, so the de-duplicated batch is an ordinary
+A table's unique ids, sorted, go to the first bag of its first feature (the
+other bags are empty): the de-duplicated batch is an ordinary
 ``KeyedJaggedTensor`` (the same keys and batch size, fewer ids) that routing
-and the all-to-all take as they take any batch.
+and the all-to-all take as they take any batch; where an id sits among the
+bags does not matter to a lookup that gives one row per id.
 
 Example::
 
     kjt = KeyedJaggedTensor.from_lengths_sync(
         keys=["f"], values=torch.tensor([7, 5, 7, 7]), lengths=torch.tensor([2, 2]))
     dedup, reverse = dedup_features(kjt, table_of_key=[0])
-    dedup.values()    # tensor([7, 5])
+    dedup.values()    # tensor([5, 7])
     dedup.lengths()   # tensor([2, 0])
-    reverse           # tensor([0, 1, 0, 0]): row i of the output is row reverse[i]
+    reverse           # tensor([1, 0, 1, 1]): row i of the output is row reverse[i]
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ def dedup_features(
 
     ``table_of_key``: the table (any int label) each key of ``features`` belongs to;
     keys of one table share their ids (an id two features of a table read is sent
-    once). Returns ``(dedup, reverse)``: ``dedup`` has the same keys and stride, each
-    unique id in the bag of its first occurrence, in input order; its per-sample
-    weights, when ``features`` has some, are the sums of the weights of each unique
-    id's occurrences. ``reverse[i]`` is the position in ``dedup.values()`` of input id
-    ``i``. A batch with a batch size per feature (VBE) is refused.
+    once) and must be consecutive. Returns ``(dedup, reverse)``: ``dedup`` has the same
+    keys and stride, each table's unique ids sorted in the first bag of its first
+    key; its per-sample weights, when ``features`` has some, are the sums of the
+    weights of each unique id's occurrences. ``reverse[i]`` is the position in
+    ``dedup.values()`` of input id ``i``. A batch with a batch size per feature (VBE)
+    is refused.
     """
     keys = features.keys()
     if len(table_of_key) != len(keys):
@@ -59,43 +61,46 @@ def dedup_features(
     ids = features.values()
     lengths = features.lengths()
     weights = features.weights_or_none()
-    n = ids.numel()
+    stride = features.stride()
     device = ids.device
-    if n == 0:
-        return features, torch.empty(0, dtype=torch.int64, device=device)
-    key_of_id = torch.repeat_interleave(
-        torch.arange(len(keys), device=device),
-        torch.tensor(features.length_per_key(), device=device),
-        output_size=n,
-    )
-    table_of_id = torch.tensor(list(table_of_key), dtype=torch.int64, device=device)[key_of_id]
-    # (table, id) as one int64: ids compacted to their rank among the batch's ids.
-    distinct_ids, id_rank = torch.unique(ids, return_inverse=True)
-    pair = table_of_id * distinct_ids.numel() + id_rank
-    unique_pairs, pair_of_id = torch.unique(pair, return_inverse=True)
-    m = unique_pairs.numel()
-    positions = torch.arange(n, device=device)
-    first = torch.full((m,), n, dtype=torch.int64, device=device)
-    first.scatter_reduce_(0, pair_of_id, positions, reduce="amin")
-    # Unique ids in the order of their first occurrence.
-    kept, order = torch.sort(first)
-    place = torch.empty_like(order)
-    place[order] = torch.arange(m, device=device)
-    reverse = place[pair_of_id]
-    bag_of_id = torch.repeat_interleave(
-        torch.arange(lengths.numel(), device=device), lengths.to(torch.int64), output_size=n
-    )
-    new_lengths = torch.bincount(bag_of_id[kept], minlength=lengths.numel()).to(lengths.dtype)
+    per_key = features.length_per_key()
+    # Runs of consecutive keys with one label (a sharding lists each table's
+    # features together): (first key, end key, first id, end id).
+    runs: list[tuple[int, int, int, int]] = []
+    start = 0
+    for k in range(1, len(keys) + 1):
+        if k == len(keys) or table_of_key[k] != table_of_key[start]:
+            lo = sum(per_key[:start])
+            runs.append((start, k, lo, lo + sum(per_key[start:k])))
+            start = k
+    if len({table_of_key[r[0]] for r in runs}) != len(runs):
+        raise ValueError(
+            f"use_index_dedup: the features of a table must be consecutive, got labels "
+            f"{list(table_of_key)}"
+        )
+    values, reverses, counts = [], [], []
+    found = 0
+    for _, _, lo, hi in runs:
+        # why one sorted unique per table: ordering by first occurrence took 3 sorts.
+        unique, inverse = torch.unique(ids[lo:hi], return_inverse=True)
+        values.append(unique)
+        reverses.append(inverse + found)
+        counts.append(unique.numel())
+        found += unique.numel()
+    new_lengths = torch.zeros_like(lengths)
+    for (first_key, _, _, _), count in zip(runs, counts, strict=True):
+        new_lengths[first_key * stride] = count
+    reverse = torch.cat(reverses) if reverses else torch.empty(0, dtype=torch.int64, device=device)
     new_weights = None
     if weights is not None:
-        new_weights = torch.zeros(m, dtype=weights.dtype, device=device)
+        new_weights = torch.zeros(found, dtype=weights.dtype, device=device)
         new_weights.index_add_(0, reverse, weights)
     dedup = KeyedJaggedTensor(
         keys=keys,
-        values=ids[kept],
+        values=torch.cat(values) if values else ids[:0],
         weights=new_weights,
         lengths=new_lengths,
-        stride=features.stride(),
+        stride=stride,
     )
     return dedup, reverse
 

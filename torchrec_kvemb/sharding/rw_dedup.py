@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torchrec.distributed.dist_data import KJTAllToAll
 from torchrec.distributed.embedding_lookup import BaseEmbeddingLookup
 from torchrec.distributed.embedding_sharding import (
@@ -135,27 +136,30 @@ class _PooledHere(Awaitable[torch.Tensor]):
         self._dim = dim
 
     def _wait_impl(self) -> torch.Tensor:
-        rows = self._rows.wait()
+        unique_rows = self._rows.wait().view(-1, self._dim)
         features = self._ctx.features
         assert features is not None and self._ctx.reverse is not None
         stride, num_keys = features.stride(), len(features.keys())
-        rows = rows.view(-1, self._dim).index_select(0, self._ctx.reverse)
         lengths = features.lengths().to(torch.int64)
-        n = rows.shape[0]
-        bag_of_id = torch.repeat_interleave(
-            torch.arange(lengths.numel(), device=rows.device), lengths, output_size=n
-        )
         scale = features.weights_or_none()
         if any(self._mean):
-            is_mean = torch.tensor(self._mean, device=rows.device).repeat_interleave(stride)
-            divisor = torch.where(is_mean, lengths.clamp(min=1), 1).to(rows.dtype)
-            per_id = divisor.index_select(0, bag_of_id)
+            is_mean = torch.tensor(self._mean, device=lengths.device).repeat_interleave(stride)
+            divisor = torch.where(is_mean, lengths.clamp(min=1), 1).to(unique_rows.dtype)
+            per_id = divisor.repeat_interleave(lengths, output_size=self._ctx.reverse.numel())
+            ones = torch.ones_like(per_id)
             # why divide (not multiply by 1/len): the unsharded MEAN scales by w / len.
-            scale = (torch.ones_like(per_id) if scale is None else scale.to(rows.dtype)) / per_id
-        if scale is not None:
-            rows = rows * scale.to(rows.dtype).unsqueeze(1)
-        pooled = torch.zeros(lengths.numel(), self._dim, dtype=rows.dtype, device=rows.device)
-        pooled = pooled.index_add(0, bag_of_id, rows)
+            scale = (ones if scale is None else scale.to(unique_rows.dtype)) / per_id
+        # why embedding_bag: it gathers each occurrence's row from the unique rows and
+        # pools in one pass (and reduces the gradient per unique row in backward); an
+        # explicit gather, index_add and their backwards took 4x longer at 80k ids.
+        pooled = nn.functional.embedding_bag(
+            self._ctx.reverse,
+            unique_rows,
+            torch.ops.fbgemm.asynchronous_complete_cumsum(lengths),
+            mode="sum",
+            per_sample_weights=None if scale is None else scale.to(unique_rows.dtype),
+            include_last_offset=True,
+        )
         return pooled.view(num_keys, stride, self._dim).transpose(0, 1).reshape(stride, -1)
 
 
