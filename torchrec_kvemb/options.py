@@ -7,10 +7,11 @@ import functools
 import inspect
 import math
 import os
+import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
 
 import torch
 
@@ -143,6 +144,75 @@ class HostTierOptions:
             )
 
 
+@dataclass(frozen=True)
+class TTLOptions:
+    """Time to live of a KV table's rows (see docs/kv-table.md, "TTL and pruning").
+
+    A row not looked up in training for ``steps`` training steps, or for ``seconds``
+    of wall time (``eviction_ttl_mins``: TorchRec's name, in minutes), is freed: its
+    id leaves the index and its slot takes new ids. A sweep frees them: after each
+    training lookup it reads ``sweep_buckets_per_step`` index buckets at a cursor
+    that walks the table (cost: the rows swept, not the table), so a row is freed
+    at the first sweep of its bucket once its TTL has passed; a lookup before that
+    keeps it. Capacity eviction (LRU, LFU, custom scores, NONE) applies as ever.
+
+    Example::
+
+        KVTableOptions(capacity=1_000_000, eviction=EvictionPolicy.LFU,
+                       ttl=TTLOptions(steps=10_000))
+    """
+
+    #: Training steps a row lives without a lookup.
+    steps: int | None = None
+    #: Seconds of wall time a row lives without a lookup (each step's time is read
+    #: from ``clock`` when its lookup ends).
+    seconds: float | None = None
+    #: Minutes, as TorchRec's ``eviction_ttl_mins`` (the same as ``seconds=60 * m``).
+    eviction_ttl_mins: int | None = None
+    #: Index buckets (16 rows each) the sweep reads per training step. ``None``: the
+    #: whole table once every ``steps`` steps (``steps`` TTL), or every
+    #: ``SWEEP_STEPS`` steps (wall-time TTL). A value at or above the table's
+    #: buckets sweeps it all every step: rows are freed exactly at their TTL.
+    sweep_buckets_per_step: int | None = None
+    #: The wall clock of a wall-time TTL (seconds; injectable for tests).
+    clock: Callable[[], float] = field(default=time.time, compare=False, repr=False)
+
+    #: Steps of a whole sweep of a wall-time TTL table by default.
+    SWEEP_STEPS: ClassVar[int] = 64
+
+    def __post_init__(self) -> None:
+        given = [v is not None for v in (self.steps, self.seconds, self.eviction_ttl_mins)]
+        if sum(given) != 1:
+            raise ValueError(
+                "TTLOptions: give exactly one of steps, seconds or eviction_ttl_mins, got "
+                f"steps={self.steps}, seconds={self.seconds}, "
+                f"eviction_ttl_mins={self.eviction_ttl_mins}"
+            )
+        if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 1):
+            raise ValueError(f"TTLOptions: steps must be an int >= 1, got {self.steps!r}")
+        if self.seconds is not None and not (self.seconds > 0 and math.isfinite(self.seconds)):
+            raise ValueError(f"TTLOptions: seconds must be > 0 and finite, got {self.seconds}")
+        if self.eviction_ttl_mins is not None and not self.eviction_ttl_mins > 0:
+            raise ValueError(
+                f"TTLOptions: eviction_ttl_mins must be > 0, got {self.eviction_ttl_mins} "
+                "(a table without TTL takes ttl=None)"
+            )
+        if self.sweep_buckets_per_step is not None and self.sweep_buckets_per_step < 1:
+            raise ValueError(
+                "TTLOptions: sweep_buckets_per_step must be >= 1 or None, got "
+                f"{self.sweep_buckets_per_step}"
+            )
+        if not callable(self.clock):
+            raise TypeError(f"TTLOptions: clock must be callable, got {self.clock!r}")
+
+    @property
+    def wall_seconds(self) -> float | None:
+        """The wall-time TTL in seconds (None for a TTL in steps)."""
+        if self.eviction_ttl_mins is not None:
+            return 60.0 * self.eviction_ttl_mins
+        return self.seconds
+
+
 #: The largest finite float32 (TRUNC_NORMAL's parameters are float32).
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -201,11 +271,30 @@ class KVTableOptions:
     #: ``capacity`` (or what ``memory_budget_bytes`` holds), and evicts only there
     #: (docs/kv-table.md, "Tables that grow"). ``None``: start at the maximum.
     initial_capacity: int | None = None
+    #: Rows freed once not looked up for a while (``TTLOptions``); ``None``: rows
+    #: leave only by capacity eviction.
+    ttl: TTLOptions | None = None
 
     @property
     def tiered(self) -> bool:
         """Whether the table has a lower tier (host memory, SSD or both)."""
         return self.ssd is not None or self.host_tier is not None
+
+    def _check_ttl(self) -> None:
+        if self.ttl is None:
+            return
+        if not isinstance(self.ttl, TTLOptions):
+            raise TypeError(f"KVTableOptions: ttl must be a TTLOptions, got {self.ttl!r}")
+        if self.tiered:
+            raise ValueError(
+                "KVTableOptions: ttl with a lower tier (ssd / host_tier) is not supported "
+                "(the sweep frees rows of the table's own memory only); drop one"
+            )
+        if self.initial_capacity is not None and self.eviction != EvictionPolicy.LRU:
+            raise ValueError(
+                f"KVTableOptions: ttl on a growing table (initial_capacity) needs "
+                f"eviction=LRU, whose scores are the rows' last steps; got {self.eviction.name}"
+            )
 
     def __post_init__(self) -> None:
         if self.weights_dtype not in ROW_DTYPES:
@@ -236,6 +325,7 @@ class KVTableOptions:
                     "KVTableOptions: initial_capacity with an SSD tier is not supported "
                     "(a table over an SSD tier keeps its memory capacity fixed); drop one"
                 )
+        self._check_ttl()
         if self.host_tier is not None and not isinstance(self.host_tier, HostTierOptions):
             raise TypeError(
                 f"KVTableOptions: host_tier must be a HostTierOptions, got {self.host_tier!r}"
