@@ -8,6 +8,9 @@ A 2-process ``torchrun`` job on this machine; both systems are sharded by
   shard), sharded by ``KVEmbeddingBagCollectionSharder``, ROW_WISE: ids are
   routed by bucket to their owner rank, pooled partial sums come back by
   reduce-scatter.
+* ``KV row-wise dedup``: ``KV row-wise`` with ``use_index_dedup=True``: each
+  rank sends each (table, id) of its batch once, rows come back by sequence
+  all-to-all and bags pool on the rank that formed them (docs/sharding.md).
 * ``KV table-wise``: the same KV tables sharded TABLE_WISE (stock input and
   output dists, whole tables): shows what routing and reduce-scatter cost.
 * ``TBE table-wise``: the same collection with TorchRec's
@@ -62,6 +65,7 @@ from benchmarks.common import (
 from torchrec_kvemb import KVEmbeddingBagCollectionSharder, KVTableOptions
 
 KV = "KV row-wise"
+KV_DEDUP = "KV row-wise dedup"
 KV_TW = "KV table-wise"
 TBE = "TBE table-wise"
 #: KV must reach this fraction of the stock path's ids/s.
@@ -168,10 +172,12 @@ def _sharded(config: DistBenchConfig, system: str) -> DistributedModelParallel:
         "learning_rate": config.learning_rate,
     }
     names = [c.name for c in _configs(config)]
-    if system in (KV, KV_TW):
+    if system in (KV, KV_DEDUP, KV_TW):
         options = KVTableOptions(capacity=config.rows)
-        sharder = KVEmbeddingBagCollectionSharder(dict.fromkeys(names, options), fused)
-        sharding = "row_wise" if system == KV else "table_wise"
+        sharder = KVEmbeddingBagCollectionSharder(
+            dict.fromkeys(names, options), fused, use_index_dedup=system == KV_DEDUP
+        )
+        sharding = "table_wise" if system == KV_TW else "row_wise"
         constraint = ParameterConstraints(sharding_types=[sharding])
     else:
         sharder = EmbeddingBagCollectionSharder(fused_params=fused)
@@ -217,7 +223,7 @@ def _measure(config: DistBenchConfig) -> dict:
     load_start = load_average()
     batches = _batches(config, dist.get_rank())
     grad = torch.randn(config.batch, config.tables * config.dim)
-    models = {system: _sharded(config, system) for system in (KV, KV_TW, TBE)}
+    models = {system: _sharded(config, system) for system in (KV, KV_DEDUP, KV_TW, TBE)}
     steps = {system: _train_step(m, batches, grad) for system, m in models.items()}
     for system in steps:
         for i in range(config.prime):
@@ -300,6 +306,8 @@ def report(result: DistBenchResult) -> str:
     ratio = f"{KV} / {TBE} (ids/s): {result.ratio:.2f}x (target >= {TARGET}x: {verdict})"
     tw = result.get(KV_TW).ids_per_s / result.get(TBE).ids_per_s
     ratio += f"\n{KV_TW} / {TBE} (ids/s): {tw:.2f}x"
+    dedup = result.get(KV_DEDUP).ids_per_s / result.get(KV).ids_per_s
+    ratio += f"\n{KV_DEDUP} / {KV} (ids/s): {dedup:.2f}x"
     m = result.kv_metrics
     lookups = m.get("hits", 0) + m.get("misses", 0)
     steady = (

@@ -161,6 +161,14 @@ def run_dist(quick: bool) -> tuple[list[Row], object]:
             "M ids/s",
             None,
         ),
+        Row(
+            "dist",
+            f"{dist_train.KV_DEDUP} / {dist_train.KV}",
+            result.get(dist_train.KV_DEDUP).ids_per_s / 1e6,
+            result.get(dist_train.KV).ids_per_s / 1e6,
+            "M ids/s",
+            None,
+        ),
     ]
     return rows, result
 
