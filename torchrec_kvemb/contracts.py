@@ -76,6 +76,7 @@ METRIC_NAMES = (
     "ssd_misses",
     "promotions",
     "demotions",
+    "growths",
 )
 KERNEL_METRICS = 6
 _U64 = (1 << 64) - 1

@@ -74,9 +74,9 @@ class KVTableGroup:
                     f"table {name!r}: the tables of a group share one optimizer ({first}); "
                     f"got {config}"
                 )
-            if (opts.ssd is None) != (options[0].ssd is None):
+            if opts.tiered != options[0].tiered:
                 raise ValueError(
-                    f"table {name!r}: the tables of a group all have an SSD tier or none do"
+                    f"table {name!r}: the tables of a group all have a lower tier or none do"
                 )
             if opts.weights_dtype != options[0].weights_dtype:
                 raise ValueError(
@@ -85,13 +85,13 @@ class KVTableGroup:
                 )
         device = torch.device(device or "cpu")
         memories = [table_memory(o, dim, first) for o in options]
-        rows = [m.rows for m in memories]
+        rows = [m.initial_rows for m in memories]
         counted = [m.counter_ids for m in memories]
         storage = TableStorage.allocate(
             sum(rows), dim, memories[0].state_dim, sum(counted), device, options[0].weights_dtype
         )
         #: The scratch pad of a group of tables with SSD tiers (None without).
-        self.pad = ScratchPad(storage.weights, storage.state) if options[0].ssd else None
+        self.pad = ScratchPad(storage.weights, storage.state) if options[0].tiered else None
         tables = []
         row0 = counter0 = 0
         for t, (name, opts, config, n, c) in enumerate(
@@ -121,6 +121,7 @@ class KVTableGroup:
         storage = table.storage()
         group._adopt([table], storage, [counter_ids])
         group.per_table_only = True
+        table.regrow = group._regrow
         group.pad = None
         return group
 
@@ -129,23 +130,14 @@ class KVTableGroup:
         self.storage = storage
         self.dim = tables[0].dim
         self.device = tables[0].device
-        self.row_offsets = [0]
-        for table in tables[:-1]:
-            self.row_offsets.append(self.row_offsets[-1] + table.capacity)
-        self.layout = GroupLayout.build(
-            num_buckets=[t.capacity // WAYS for t in tables],
-            counter_num_buckets=[c // WAYS for c in counted],
-            options=[t.options for t in tables],
-            device=self.device,
-        )
+        self._counted = counted
         self.metrics = torch.zeros(
             len(tables), len(METRIC_NAMES), dtype=torch.int64, device=self.device
         )
+        self._place()
         for t, table in enumerate(tables):
             table.device_metrics = self.metrics[t]
-        self._row_ends = self.metrics.new_tensor(
-            [start + t.capacity for start, t in zip(self.row_offsets, tables, strict=True)]
-        )
+            table.regrow = self._regrow
         #: Every table's clocks ``[2, T]`` (training lookups, optimizer steps; see
         #: ``KVTable.clock``): each table's are a column of these, which the group's
         #: ops advance in place.
@@ -156,6 +148,62 @@ class KVTableGroup:
             for t, table in enumerate(tables):
                 table.clock = self.clocks[:, t]
         self._rates: tuple[list[float], torch.Tensor] | None = None
+
+    def _place(self) -> None:
+        """Where each table's rows and buckets are in the arrays (``row_offsets``,
+        ``layout``), from the tables' capacities."""
+        tables = self.tables
+        self.row_offsets = [0]
+        for table in tables[:-1]:
+            self.row_offsets.append(self.row_offsets[-1] + table.capacity)
+        self.layout = GroupLayout.build(
+            num_buckets=[t.capacity // WAYS for t in tables],
+            counter_num_buckets=[c // WAYS for c in self._counted],
+            options=[t.options for t in tables],
+            device=self.device,
+        )
+        self._row_ends = self.metrics.new_tensor(
+            [start + t.capacity for start, t in zip(self.row_offsets, tables, strict=True)]
+        )
+
+    # ---------------------------------------------------------------- growth
+    def make_room(self, ids: torch.Tensor, table_idx: torch.Tensor) -> None:
+        """Grow the tables below their maximum that a training batch (``ids`` with
+        ``table_idx``) would otherwise make evict or fail (``KVTable.make_room``);
+        nothing to do (no host sync) once every table is at its maximum."""
+        growing = [t for t, table in enumerate(self.tables) if table.capacity < table.max_capacity]
+        for t in growing:
+            mine = ids[table_idx == t]
+            if mine.numel():
+                uniq, counts = torch.unique(mine, return_counts=True)
+                self.tables[t].make_room(uniq, counts)
+
+    def _regrow(self, table: KVTable, rows: int) -> None:
+        """Reallocate the group's index and rows with ``rows`` rows for ``table`` (its
+        ids rehashed into them, ``KVTable.rehash_into``) and the other tables' copied
+        as they are; the admission counter and clocks stay."""
+        if self.pad is not None:
+            raise RuntimeError(f"table {table.name!r}: tables with an SSD tier do not grow")
+        old = self.storage
+        capacities = [rows if t is table else t.capacity for t in self.tables]
+        storage = TableStorage.allocate(
+            sum(capacities), self.dim, old.state.shape[1], 0, self.device, old.weights.dtype
+        )
+        storage = storage._replace(
+            counter_keys=old.counter_keys, counter_scores=old.counter_scores, counts=old.counts
+        )
+        row0 = 0
+        for t, n in zip(self.tables, capacities, strict=True):
+            part = storage.part((row0, row0 + n), (0, 0))
+            if t is table:
+                t.rehash_into(part)
+            else:
+                for new, now in zip(part[:4], (t.keys, t.scores, t.weights, t.state), strict=True):
+                    new.copy_(now)
+                t.use_rows(part)
+            row0 += n
+        self.storage = storage
+        self._place()
 
     # ----------------------------------------------------------------- shape
     @property
@@ -200,6 +248,7 @@ class KVTableGroup:
         (default: all of them)."""
         if self.pad is not None:
             self._begin_tiered_batch()
+        self.make_room(ids, table_idx)
         if self.per_table_only or self.backend(ids.device) == "torch":
             return self.lookup_train_per_table(ids, table_idx, custom_scores, custom_tables)
         if self.pad is not None:  # tables with SSD tiers: one native pass (tiered_lookup)

@@ -12,6 +12,7 @@ already live in modules of their own.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, ClassVar
 
@@ -28,9 +29,9 @@ from torchrec_kvemb.contracts import (
     seed_mix,
 )
 from torchrec_kvemb.index import BucketIndex
-from torchrec_kvemb.memory import bytes_per_row, resolve_capacity, table_memory
+from torchrec_kvemb.memory import bytes_per_row, memory_at, resolve_capacity, table_memory
 from torchrec_kvemb.optimizer import FusedOptimConfig
-from torchrec_kvemb.options import EvictionPolicy, KVTableOptions
+from torchrec_kvemb.options import WAYS, EvictionPolicy, KVTableOptions
 from torchrec_kvemb.tier import TIER_METRICS, LowerTier
 from torchrec_kvemb.validation import KVInputError, check_ids, check_rows
 
@@ -95,7 +96,7 @@ class KVTable:
             KVTable._tiered_class = cls
 
     def __new__(cls, name: str, dim: int, options: KVTableOptions, *args: Any, **kwargs: Any):
-        if cls is KVTable and getattr(options, "ssd", None) is not None:
+        if cls is KVTable and getattr(options, "tiered", False):
             if KVTable._tiered_class is None:
                 raise RuntimeError("an SSD tier needs torchrec_kvemb.tiered: import it first")
             return super().__new__(KVTable._tiered_class)
@@ -122,7 +123,9 @@ class KVTable:
         self.device = torch.device(device or "cpu")
         self._memory = table_memory(options, dim, self._optim)
         self.state_dim = self._memory.state_dim
-        self.capacity = self._memory.rows
+        #: Rows in memory now: ``max_capacity``, or less while a table built with
+        #: ``initial_capacity`` grows (``grow``).
+        self.capacity = self._memory.initial_rows
         counted = self._memory.counter_ids
         if storage is None:
             storage = TableStorage.allocate(
@@ -146,6 +149,10 @@ class KVTable:
             BucketIndex(storage.counter_keys, storage.counter_scores) if counted else None
         )
         self.counts = storage.counts if counted else None
+        #: Who reallocates the arrays when the table grows: ``None`` (the table
+        #: itself), or its group (``KVTableGroup``), called with the table and the
+        #: new row count.
+        self.regrow: Callable[[KVTable, int], None] | None = None
         #: The table's clocks ``[2]`` int64: training lookups so far (the LRU clock) and
         #: optimizer steps so far (Adam's bias correction). The one place they live: a
         #: group's tables hold views of the group's ``clocks [2, T]``, which its ops
@@ -224,8 +231,10 @@ class KVTable:
         return None
 
     def memory_bytes(self) -> int:
-        """Bytes of memory the table holds (rows, index, admission counter)."""
-        return self._memory.bytes
+        """Bytes of memory the table holds now (rows, index, admission counter): at
+        ``max_capacity`` the planner's figure (``sharding.planner.kv_table_bytes``),
+        less while the table grows."""
+        return memory_at(self._memory, self.capacity)
 
     def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows ``ids`` get when they are first stored."""
@@ -298,6 +307,7 @@ class KVTable:
         restores saved scores).
         """
         ids, values = self._checked_insert(ids, weights, state, scores, exact_scores)
+        self.make_room(ids)
         result = self.insert_ids(ids, values)
         stored = result.slots >= 0
         slots = result.slots[stored]
@@ -372,15 +382,21 @@ class KVTable:
         return arrays
 
     def metrics(self) -> dict[str, float]:
-        """Counters since creation, plus ``size``, ``capacity`` and ``load_factor`` (of
-        the in-memory tier) and ``ssd_size`` (see docs/ssd-tier.md for the SSD ones)."""
+        """Counters since creation (``growths``: times the table grew), plus ``size``,
+        ``capacity``, ``max_capacity`` and ``load_factor`` (of the in-memory tier) and
+        ``ssd_size`` (see docs/ssd-tier.md for the SSD ones)."""
         out: dict[str, float] = dict(self._metrics)
         if self.device_metrics is not None:
             for name, value in zip(METRIC_NAMES, self.device_metrics.tolist(), strict=True):
                 out[name] += value
         out.update(self.tier_metrics())
         size = self.size
-        out.update(size=size, capacity=self.capacity, load_factor=size / self.capacity)
+        out.update(
+            size=size,
+            capacity=self.capacity,
+            max_capacity=self.max_capacity,
+            load_factor=size / self.capacity,
+        )
         return out
 
     def tier_metrics(self) -> dict[str, float]:
@@ -390,6 +406,91 @@ class KVTable:
     def count(self, metric: str, n: int) -> None:
         """Add ``n`` to the counter ``metric`` (one of ``METRIC_NAMES``)."""
         self._metrics[metric] += n
+
+    # ----------------------------------------------------------------- growth
+    @property
+    def max_capacity(self) -> int:
+        """Rows the table holds at most (``capacity`` once grown, or without
+        ``initial_capacity``)."""
+        return self._memory.rows
+
+    def make_room(self, ids: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+        """Grow the table (doubling its buckets, ``grow``) until storing the unique
+        ``ids`` it does not hold evicts nothing and fails nothing, or it is at
+        ``max_capacity``. ``counts``: the ids' sightings in a training batch, so that
+        only those admission lets in count (None: every absent id counts).
+
+        why a probe before the lookup: a table that grows before any bucket would
+        overflow holds, bucket by bucket, what a table built at its maximum holds
+        (memory.py, "Growth"), so it looks up, trains and evicts as that one."""
+        if self.capacity >= self.max_capacity or ids.numel() == 0:
+            return
+        absent = self.index.probe(ids) < 0
+        new = ids[absent]
+        if counts is not None and self.counter is not None and new.numel():
+            where = self.counter.probe(new)
+            seen = torch.where(where >= 0, self.counts[where.clamp(min=0)], 0)
+            new = new[seen + counts[absent] >= self.options.admission_threshold]
+        if new.numel() == 0:
+            return
+        buckets = target = self.index.num_buckets
+        most = self.max_capacity // WAYS
+        load = (self.index.keys >= 0).sum(1)
+        stored = None
+        while target < most:
+            if target != buckets:
+                if stored is None:
+                    stored = self.index.ids_at(self.index.live_slots())
+                load = torch.bincount(dispatch.index_bucket(stored, target), minlength=target)
+            load = load + torch.bincount(dispatch.index_bucket(new, target), minlength=target)
+            if int(load.max()) <= WAYS:
+                break
+            target *= 2
+        if target != buckets:
+            self.grow(target * WAYS)
+
+    def grow(self, rows: int) -> None:
+        """Rehash into ``rows`` rows of capacity (``capacity`` times a power of two, at
+        most ``max_capacity``): every stored id moves to its bucket among the new ones
+        with its row, optimizer state and score; the admission counter stays."""
+        if rows == self.capacity:
+            return
+        if rows < self.capacity or rows > self.max_capacity or rows % self.capacity:
+            raise ValueError(
+                f"table {self.name!r}: cannot grow from {self.capacity} to {rows} rows "
+                f"(a power-of-two multiple, at most {self.max_capacity})"
+            )
+        if self.regrow is not None:
+            self.regrow(self, rows)
+        else:
+            storage = TableStorage.allocate(
+                rows, self.dim, self.state_dim, 0, self.device, self.weights.dtype
+            )
+            self.rehash_into(storage)
+        self.count("growths", 1)
+
+    def rehash_into(self, storage: TableStorage) -> None:
+        """Move every stored id, with its row, optimizer state and score, into the
+        empty index and rows of ``storage`` (more buckets), and use them from now on."""
+        slots = self.index.live_slots()
+        index = BucketIndex(storage.keys, storage.scores)
+        src, moved = index.bulk_load(self.index.ids_at(slots), self.index.scores_at(slots))
+        if src is not None and src.numel() != slots.numel():
+            raise RuntimeError(f"table {self.name!r}: a rehash lost rows (a bucket overflowed)")
+        if src is not None:
+            slots = slots.index_select(0, src)
+        storage.weights.index_copy_(0, moved, self.weights.index_select(0, slots))
+        if self.state_dim:
+            storage.state.index_copy_(0, moved, self.state.index_select(0, slots))
+        self.use_rows(storage)
+
+    def use_rows(self, storage: TableStorage) -> None:
+        """Take the index and rows of ``storage`` (views of a group's reallocated
+        arrays, or the table's own); ``capacity`` follows them."""
+        self.index = BucketIndex(storage.keys, storage.scores)
+        self.weights = storage.weights
+        self.state = storage.state
+        self.capacity = storage.weights.shape[0]
 
     # ------------------------------------------------- tier-free operations
     def prefetch(self, ids: torch.Tensor) -> None:
@@ -418,6 +519,7 @@ class KVTable:
         """
         self.advance_step()
         uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+        self.make_room(uniq, counts)
         custom = max_per_unique(custom_scores, inverse, uniq.numel())
         values = self.score_values(uniq, counts, custom)
         slots_u, hit_u, inserted_u, _, _ = self.compete(uniq, counts, values)
@@ -608,6 +710,7 @@ class KVTable:
         scores: torch.Tensor | None,
     ) -> int:
         ids = ids.to(self.device)
+        self.make_room(ids)
         if scores is None:
             scores = torch.full_like(ids, self.step)
         src, slots = self.index.bulk_load(ids, scores.to(self.device, torch.int64))
