@@ -68,6 +68,7 @@ def shard_options(options: KVTableOptions, num_shards: int) -> KVTableOptions:
         capacity=part(options.capacity),
         memory_budget_bytes=part(options.memory_budget_bytes),
         admission_counter_capacity=part(options.admission_counter_capacity),
+        initial_capacity=part(options.initial_capacity),
     )
 
 

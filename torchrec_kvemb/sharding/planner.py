@@ -41,9 +41,14 @@ KV_CUDA_BW = 0.5 * HBM_MEM_BW
 
 
 def kv_table_bytes(options: KVTableOptions, dim: int, optim: FusedOptimConfig) -> int:
-    """Memory of one KV table (or shard) built from ``options``: rows, index, admission counter.
+    """Memory of one KV table (or shard) built from ``options`` at its maximum
+    capacity: rows, index, admission counter, and an SSD tier's scratch reserve
+    (``memory.table_memory``). A table that grows (``initial_capacity``) is planned
+    by its maximum.
 
-    Equal to ``KVTable(name, dim, options, optim).memory_bytes()`` without building it.
+    Equal to the bytes of the tensors ``KVTable(name, dim, options, optim)`` holds at
+    its maximum capacity (``memory_bytes()``; with an SSD tier, once its scratch pad
+    holds its first rows), without building it; at most ``memory_budget_bytes``.
     """
     return table_memory(options, dim, optim).bytes
 

@@ -1,7 +1,8 @@
 """What a table will use: memory (in-memory rows and the SSD tier's index) and disk.
 
 The in-memory part is ``torchrec_kvemb.memory.table_memory`` (sized by
-``capacity`` or ``memory_budget_bytes``); the SSD tier adds, in memory,
+``capacity`` or ``memory_budget_bytes``, at the maximum capacity of a table that
+grows, its scratch reserve included); the SSD tier adds, in memory,
 24 bytes per index slot (key, score, record number) and 17 bytes per slab
 record (free list, write generation, durable flag), and on disk one record per
 row plus the slack copy-on-write needs: the rows freed since the last flush
