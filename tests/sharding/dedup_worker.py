@@ -196,13 +196,15 @@ USER_KEYS = ["u1", "u2"]
 BAG_DIMS = {"u1": 8, "u2": 8, "i": 4}
 
 
-def bag_model(dedup: bool, fused: dict, weighted: bool) -> DistributedModelParallel:
+def bag_model(
+    dedup: bool, fused: dict, weighted: bool, sharding: str = ec.RW
+) -> DistributedModelParallel:
     sharder = KVEmbeddingBagCollectionSharder(
         bags.OPTIONS, fused_params=fused, use_index_dedup=dedup
     )
     configs = bags.kv_configs(2**40)
     model = bags.EBCModel(EmbeddingBagCollection(configs, device=ec.META, is_weighted=weighted))
-    constraints = {n: ParameterConstraints(sharding_types=[ec.RW]) for n in bags.OPTIONS}
+    constraints = {n: ParameterConstraints(sharding_types=[sharding]) for n in bags.OPTIONS}
     plan = bags.planned(model, [sharder], constraints)
     return DistributedModelParallel(model, device=ec.CPU, plan=plan, sharders=[sharder])
 
@@ -296,11 +298,25 @@ def bag_scenario(fused: dict, weighted: bool) -> Callable[[], dict]:
     return run
 
 
+def table_wise_bags_refused() -> dict:
+    """Table-wise KV bags with dedup: refused at sharding, naming the tables."""
+    tally = Tally(TOL)
+    try:
+        bag_model(True, ec.ADAGRAD, False, sharding=ec.TW)
+        tally.check("refused", False)
+    except ValueError as error:
+        message = str(error)
+        tally.check("refused naming the tables", "['item', 'user']" in message)
+        tally.check("refusal names the remedy", "row_wise" in message)
+    return tally.result()
+
+
 SCENARIOS: dict[str, Callable[[], dict]] = {
     "sequence_row_wise": sequence_scenario(ec.RW),
     "sequence_table_wise": sequence_scenario(ec.TW),
     "bags_row_wise": bag_scenario(ec.ADAGRAD, weighted=False),
     "bags_row_wise_weighted": bag_scenario(ec.SGD, weighted=True),
+    "bags_table_wise_refused": table_wise_bags_refused,
 }
 
 
