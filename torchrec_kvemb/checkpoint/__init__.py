@@ -21,7 +21,13 @@ directory without the marker, and a checkpoint whose KV tables differ from the
 model's (dim, optimizer), naming the table; nothing in the model changes when a
 load fails. Format and layout: docs/checkpoint-format.md.
 
-Modules: :mod:`.save_load` (``save``, ``load``), :mod:`.marker` (``COMPLETE``,
+``async_save(model, path)`` (or ``save(..., blocking=False)``) copies the state at
+the call and writes it on a background thread while training goes on; its
+handle's ``result()`` waits and raises ``CheckpointError`` on failure
+(:mod:`.asynchronous`: the snapshot, the handle, the gloo group its collectives
+use).
+
+Modules: :mod:`.save_load` (``save``, ``async_save``, ``load``), :mod:`.marker` (``COMPLETE``,
 ``fingerprint``, atomic publication), :mod:`.reader` (DCP load planners, the
 parallel reader), :mod:`.optimizer_state` (fused, KV learning rates, dense),
 :mod:`.collectives`, :mod:`.migrate` (stock <-> KV tables), :mod:`.incremental`
@@ -36,6 +42,7 @@ Example::
     checkpoint.load(model, "/ckpt/step_1000", optimizer=dense_optimizer)
 """
 
+from torchrec_kvemb.checkpoint.asynchronous import AsyncCheckpoint
 from torchrec_kvemb.checkpoint.incremental import (
     IncrementalDumper,
     apply_dumps,
@@ -44,12 +51,13 @@ from torchrec_kvemb.checkpoint.incremental import (
 )
 from torchrec_kvemb.checkpoint.marker import MARKER, fingerprint, read_marker
 from torchrec_kvemb.checkpoint.reader import KVLoadPlanner, ParallelFileSystemReader
-from torchrec_kvemb.checkpoint.save_load import load, save
+from torchrec_kvemb.checkpoint.save_load import async_save, load, save
 from torchrec_kvemb.checkpoint.streaming import CallableSink, EmbeddingStreamer, FileSink
 from torchrec_kvemb.state_dict.checks import CheckpointError
 
 __all__ = [
     "MARKER",
+    "AsyncCheckpoint",
     "CallableSink",
     "CheckpointError",
     "EmbeddingStreamer",
@@ -58,6 +66,7 @@ __all__ = [
     "KVLoadPlanner",
     "ParallelFileSystemReader",
     "apply_dumps",
+    "async_save",
     "dump_incremental",
     "fingerprint",
     "load",

@@ -16,7 +16,6 @@ Example::
 
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 import uuid
@@ -28,13 +27,20 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.tensor import DTensor
 
 from torchrec_kvemb.checkpoint import collectives as comm
+from torchrec_kvemb.checkpoint.asynchronous import (
+    AsyncCheckpoint,
+    checkpoint_group,
+    copied,
+    staged,
+    start,
+    wait_previous,
+)
 from torchrec_kvemb.checkpoint.marker import check_target, publish, read_marker
 from torchrec_kvemb.checkpoint.optimizer_state import (
     FUSED,
@@ -53,6 +59,7 @@ from torchrec_kvemb.checkpoint.row_stream import RowBlock, stream_rows
 from torchrec_kvemb.checkpoint.writer import RowStreamWriter
 from torchrec_kvemb.state_dict import (
     ADMISSION_KEYS,
+    KNOWN_KEYS,
     ROW_KEYS,
     STATE_NAMES,
     CheckpointError,
@@ -64,7 +71,7 @@ from torchrec_kvemb.state_dict import (
     kv_table_slots,
     restore_table,
 )
-from torchrec_kvemb.state_dict.deferred import deferring
+from torchrec_kvemb.state_dict.deferred import DeferredEntries, deferring
 
 MODEL = "model"
 #: What to do with a stock table's rows in a checkpoint of a KV model.
@@ -80,21 +87,76 @@ def save(
     path: str | os.PathLike,
     optimizer: torch.optim.Optimizer | None = None,
     thread_count: int = 4,
-) -> None:
+    blocking: bool = True,
+) -> AsyncCheckpoint | None:
     """Write ``model`` (and ``optimizer``'s state, keyed by parameter name) to the
     checkpoint directory ``path``, atomically; an older checkpoint at ``path`` is
     replaced. Collective when ``torch.distributed`` is initialized.
 
     ``thread_count``: DCP writer threads per rank, each writing its own file
     (``load`` reads them in parallel too).
+
+    ``blocking=False``: :func:`async_save` (returns its handle). Either way a save
+    first waits for an asynchronous save still in flight, and raises the
+    :class:`CheckpointError` of one that failed unless its ``result()`` raised it.
     """
+    if not blocking:
+        return async_save(model, path, optimizer, thread_count)
+    wait_previous(raise_failure=True)
     path = os.fspath(path)
     group = comm.process_group()
     check_target(path)
     slots = kv_table_slots(model)
     tables = _table_configs(slots, group)
     with deferring() as deferred:  # rows are filled as they are written (writer.py)
-        state: dict[str, Any] = {MODEL: model.state_dict()}
+        state = _state(model, slots, optimizer)
+    _write(state, deferred, path, tables, thread_count, group)
+    return None
+
+
+def async_save(
+    model: nn.Module,
+    path: str | os.PathLike,
+    optimizer: torch.optim.Optimizer | None = None,
+    thread_count: int = 4,
+) -> AsyncCheckpoint:
+    """Start writing ``model`` (and ``optimizer``) to ``path`` in the background;
+    returns at once with an :class:`AsyncCheckpoint` whose ``result()`` waits for
+    the ``COMPLETE`` marker (or raises :class:`CheckpointError`).
+
+    The checkpoint holds the state at the call: every KV table's rows, optimizer
+    state, scores, counters and admission entries (both tiers of a table with an
+    SSD tier), stock tables, dense parameters and optimizer state are copied
+    before it returns, so training may go on at once. Collective when
+    ``torch.distributed`` is initialized (call it on every rank at the same point);
+    its collectives run on a gloo group of its own (:func:`checkpoint_group`),
+    never on the groups training uses. One save at a time: a save (either kind)
+    waits for the one in flight first. Guarantees and costs:
+    docs/checkpoint-format.md#asynchronous-saves.
+
+    Example::
+
+        pending = checkpoint.async_save(model, "/ckpt/step_1000", optimizer=opt)
+        for batch in batches:
+            train_step(batch)           # while the files are written
+        pending.result()                # raises CheckpointError if the save failed
+    """
+    wait_previous(raise_failure=True)
+    path = os.fspath(path)
+    group = checkpoint_group()
+    check_target(path)
+    slots = kv_table_slots(model)
+    tables = _table_configs(slots, group)
+    state = staged(_state(model, slots, optimizer), _fresh_keys(slots))
+    return start(path, lambda: _write(state, DeferredEntries(), path, tables, thread_count, group))
+
+
+def _state(
+    model: nn.Module, slots: Mapping[str, KVTableSlot], optimizer: torch.optim.Optimizer | None
+) -> dict[str, Any]:
+    """What a checkpoint holds: the model's state_dict, the fused optimizer state of
+    stock tables with the KV tables' learning rates, the dense optimizer's state."""
+    state: dict[str, Any] = {MODEL: model.state_dict()}
     fused = fused_state(model, slots)
     rates = learning_rates(slots)
     if rates:
@@ -103,6 +165,24 @@ def save(
         state[FUSED] = fused
     if optimizer is not None:
         state[OPTIM] = optimizer_state(model, optimizer)
+    return state
+
+
+def _fresh_keys(slots: Mapping[str, KVTableSlot]) -> set[tuple[str, ...]]:
+    """The paths in :func:`_state` of the KV tables' entries: exported into new
+    tensors by ``state_dict()``, so a snapshot need not copy them again."""
+    return {(MODEL, f"{prefix}{key}") for prefix in slots for key in KNOWN_KEYS}
+
+
+def _write(
+    state: dict[str, Any],
+    deferred: DeferredEntries,
+    path: str,
+    tables: dict[str, dict[str, Any]],
+    thread_count: int,
+    group: Any,
+) -> None:
+    """DCP writes ``state`` into ``<path>.tmp-<token>``; rank 0 publishes it (marker.py)."""
     token = comm.broadcast(uuid.uuid4().hex if comm.rank(group) == 0 else None, group)
     tmp = f"{path}.tmp-{token}"
     try:
@@ -200,7 +280,9 @@ def load(
     initialized. Raises :class:`CheckpointError` (nothing changed) for an
     incomplete checkpoint, KV tables of another config, or (``strict``) model
     entries the checkpoint lacks; checkpoint entries the model lacks are ignored.
+    An asynchronous save in flight is waited for first.
     """
+    wait_previous(raise_failure=False)
     path = os.fspath(path)
     group = comm.process_group()
     marker = read_marker(path)
@@ -255,10 +337,10 @@ def load(
             if key in saved:
                 targets[key] = torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
     stock_keys = [f"{MODEL}.{k}" for k in current if f"{MODEL}.{k}" in saved]
-    targets.update({key: _copy(current[key[len(MODEL) + 1 :]]) for key in stock_keys})
+    targets.update({key: copied(current[key[len(MODEL) + 1 :]]) for key in stock_keys})
     fused_live, _ = flatten_state_dict({FUSED: fused})
     fused_keys = [k for k in fused_live if k in saved]
-    targets.update({key: _copy(fused_live[key]) for key in fused_keys})
+    targets.update({key: copied(fused_live[key]) for key in fused_keys})
     # KV learning rates: absent from checkpoints written before they were saved.
     lr_keys = {p: lr_key(p) for p, slot in slots.items() if slot.layout.table is not None}
     lr_keys = {p: key for p, key in lr_keys.items() if key in saved}
@@ -481,18 +563,6 @@ def _check_kv_config(
 
 
 # ---------------------------------------------------------------- tensors
-def _copy(value: Any) -> Any:
-    """A copy to load into, so that the live value changes only after every check."""
-    if isinstance(value, ShardedTensor):
-        shards = [Shard(s.tensor.detach().clone(), s.metadata) for s in value.local_shards()]
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards, copy.deepcopy(value.metadata()), process_group=value._process_group
-        )
-    if isinstance(value, (torch.Tensor, DTensor)):
-        return value.detach().clone()
-    return copy.deepcopy(value)
-
-
 def _copy_into(live: Any, loaded: Any) -> None:
     if isinstance(live, ShardedTensor):
         for a, b in zip(live.local_shards(), loaded.local_shards(), strict=True):
