@@ -77,6 +77,7 @@ METRIC_NAMES = (
     "promotions",
     "demotions",
     "growths",
+    "ttl_evictions",
 )
 KERNEL_METRICS = 6
 _U64 = (1 << 64) - 1

@@ -48,6 +48,7 @@ from torchrec_kvemb.options import WAYS, KVTableOptions
 from torchrec_kvemb.ssd.scratch import ScratchPad
 from torchrec_kvemb.table import KVTable
 from torchrec_kvemb.tiered_lookup import lookup_train_tiers
+from torchrec_kvemb.ttl import GroupTTL
 
 
 class KVTableGroup:
@@ -148,6 +149,8 @@ class KVTableGroup:
             for t, table in enumerate(tables):
                 table.clock = self.clocks[:, t]
         self._rates: tuple[list[float], torch.Tensor] | None = None
+        #: The TTL tables' marks and sweeps after a lookup (None: no TTL table).
+        self.ttl = GroupTTL.build(tables)
 
     def _place(self) -> None:
         """Where each table's rows and buckets are in the arrays (``row_offsets``,
@@ -262,10 +265,13 @@ class KVTableGroup:
         if custom_scores is not None:
             flags = [True] * self.num_tables if custom_tables is None else list(custom_tables)
             use_custom = torch.tensor(flags, dtype=torch.int64, device=ids.device)
-        return dispatch.group_lookup_train(
+        lookup = dispatch.group_lookup_train(
             self.layout, self.storage, ids, table_idx, self.clocks[0], self.metrics,
             custom_scores, use_custom,
         )  # fmt: skip
+        if self.ttl is not None:
+            self.ttl.after_lookup(lookup.slots, table_idx, self.row_offsets)
+        return lookup
 
     def _begin_tiered_batch(self) -> None:
         """Every table writes its scratch rows of the last batch back

@@ -33,6 +33,7 @@ from torchrec_kvemb.memory import bytes_per_row, memory_at, resolve_capacity, ta
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import WAYS, EvictionPolicy, KVTableOptions
 from torchrec_kvemb.tier import TIER_METRICS, LowerTier
+from torchrec_kvemb.ttl import TableTTL
 from torchrec_kvemb.validation import KVInputError, check_ids, check_rows
 
 __all__ = ["KVTable", "TableStorage", "bytes_per_row", "resolve_capacity"]
@@ -161,6 +162,8 @@ class KVTable:
         self._metrics = dict.fromkeys(METRIC_NAMES, 0)
         #: Counters a grouped lookup adds on the device (``METRIC_NAMES`` order), or None.
         self.device_metrics: torch.Tensor | None = None
+        #: The rows' time to live (``options.ttl``, ``torchrec_kvemb.ttl``), or None.
+        self.ttl = TableTTL(self) if options.ttl is not None else None
 
     # ----------------------------------------------------------------- clocks
     @property
@@ -309,6 +312,8 @@ class KVTable:
         ids, values = self._checked_insert(ids, weights, state, scores, exact_scores)
         self.make_room(ids)
         result = self.insert_ids(ids, values)
+        if self.ttl is not None:
+            self.ttl.mark(result.slots)
         stored = result.slots >= 0
         slots = result.slots[stored]
         if exact_scores:  # an LFU hit added its value to the stored count
@@ -524,6 +529,8 @@ class KVTable:
         values = self.score_values(uniq, counts, custom)
         slots_u, hit_u, inserted_u, _, _ = self.compete(uniq, counts, values)
         self.init_rows_at(slots_u[inserted_u], uniq[inserted_u])
+        if self.ttl is not None:
+            self.ttl.after_lookup(slots_u)
         self.count_hits(ids.numel(), counts, hit_u)
         return slots_u[inverse]
 
@@ -700,6 +707,8 @@ class KVTable:
         lost = self._bulk_load(ids, weights, state, scores)
         if step is not None:
             self.step, self.optim_step = step
+        if self.ttl is not None:
+            self.ttl.mark_all()
         return lost
 
     def _bulk_load(
