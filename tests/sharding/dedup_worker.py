@@ -3,7 +3,7 @@ one torchrun job.
 
 Run by ``tests/sharding/test_index_dedup.py``::
 
-    torchrun --nproc_per_node 2 -m tests.sharding.dedup_worker RESULT.json
+    torchrun --nproc_per_node 2 -m tests.sharding.dedup_worker RESULT.json DIR
 
 Sequence collections (the batches and loss of ``ec_dist_worker``, a table
 reading both features of another): the sharded module with dedup and the one
@@ -19,6 +19,8 @@ Bag collections (the tables and batches of ``dist_worker``, row-wise, weighted
 and not): ``item`` (MEAN) equals the plain sharded and unsharded modules;
 ``user`` (two features, LFU, admission at 2, SUM) equals an unsharded ``user``
 table fed each rank's de-duplicated ids, its bags pooled from those rows.
+A deduplicated bag module's checkpoint (written under ``DIR``) loads into the
+module without dedup; table-wise KV bags with dedup are refused.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from torchrec_kvemb import (
     KVEmbeddingBagCollectionSharder,
     KVEmbeddingCollection,
     KVEmbeddingCollectionSharder,
+    checkpoint,
 )
 from torchrec_kvemb.sharding import (
     ShardedKVEmbeddingBagCollection,
@@ -298,6 +301,25 @@ def bag_scenario(fused: dict, weighted: bool) -> Callable[[], dict]:
     return run
 
 
+def bags_checkpoint() -> dict:
+    """A deduplicated bag module's checkpoint (its KV tables are looked up by the
+    sequence lookup) loads into the same module without dedup, every row equal."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dedup = bag_model(True, ec.ADAGRAD, False)
+    pools = {k: v for k, v in bags.id_pools(2**62).items() if k in BAG_KEYS}
+    for step in range(2):
+        batch = bags.global_batch(step, world, pools, BAG_DIMS)
+        dedup(batch.kjt(BAG_KEYS, False, rank)).values().sum().backward()
+    path = os.path.join(sys.argv[2], "ckpt")
+    checkpoint.save(dedup, path)
+    plain = bag_model(False, ec.ADAGRAD, False)
+    checkpoint.load(plain, path)
+    want = {n: t["rows"] for n, t in ec.merged_exports(dedup.module.ebc).items()}
+    tally = Tally(0.0)
+    compare_tables(tally, plain.module.ebc, want, ec.RW, bags.OPTIONS)
+    return tally.result()
+
+
 def table_wise_bags_refused() -> dict:
     """Table-wise KV bags with dedup: refused at sharding, naming the tables."""
     tally = Tally(TOL)
@@ -316,6 +338,7 @@ SCENARIOS: dict[str, Callable[[], dict]] = {
     "sequence_table_wise": sequence_scenario(ec.TW),
     "bags_row_wise": bag_scenario(ec.ADAGRAD, weighted=False),
     "bags_row_wise_weighted": bag_scenario(ec.SGD, weighted=True),
+    "bags_checkpoint": bags_checkpoint,
     "bags_table_wise_refused": table_wise_bags_refused,
 }
 

@@ -108,7 +108,9 @@ def test_sharders_take_use_index_dedup(sharder):
 
 def test_sharded_training_with_dedup_matches_without_and_unsharded(tmp_path):
     result_path = tmp_path / "result.json"
-    job = run_job(torchrun_command(2, "-m", "tests.sharding.dedup_worker", str(result_path)))
+    job = run_job(
+        torchrun_command(2, "-m", "tests.sharding.dedup_worker", str(result_path), str(tmp_path))
+    )
     result = read_result(result_path, job)
     failed = {n: r for n, r in result["scenarios"].items() if not r["passed"]}
     assert not failed, json.dumps(failed, indent=1)
