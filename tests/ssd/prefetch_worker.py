@@ -5,7 +5,8 @@ Run by ``tests/ssd/test_sharded_prefetch.py``::
 
     torchrun --nproc_per_node 2 -m tests.ssd.prefetch_worker RESULT.json DIR
 
-Per scenario, two DMP models of KV tables over SSD tiers, memory too small for
+Per scenario (bags row-wise, with and without ``use_index_dedup``; sequences
+table-wise), two DMP models of KV tables over SSD tiers, memory too small for
 the ids (rows move between memory and disk every step): one trained by
 ``PrefetchTrainPipelineSparseDist``, one by the plain loop on the same batches.
 The pipeline calls the sharded module's ``prefetch`` with the next batch's ids
@@ -113,7 +114,9 @@ def batches(rank: int) -> list[Batch]:
     return out
 
 
-def build(pooled: bool, sharding: str, directory: str) -> DistributedModelParallel:
+def build(
+    pooled: bool, sharding: str, directory: str, dedup: bool = False
+) -> DistributedModelParallel:
     options = {
         name: KVTableOptions(capacity=24, seed=7, total_num_buckets=16, ssd=SSDOptions(
             path=os.path.join(directory, name), resume=False))
@@ -125,7 +128,9 @@ def build(pooled: bool, sharding: str, directory: str) -> DistributedModelParall
             for n, f in FEATURES.items()
         ]
         module = EmbeddingBagCollection(configs, device=META)
-        sharder = KVEmbeddingBagCollectionSharder(options, fused_params=ADAGRAD)
+        sharder = KVEmbeddingBagCollectionSharder(
+            options, fused_params=ADAGRAD, use_index_dedup=dedup
+        )
     else:
         configs = [
             EmbeddingConfig(name=n, embedding_dim=DIM, num_embeddings=2**40, feature_names=f)
@@ -142,12 +147,13 @@ def build(pooled: bool, sharding: str, directory: str) -> DistributedModelParall
     return DistributedModelParallel(model, device=CPU, plan=plan, sharders=[sharder])
 
 
-def scenario(pooled: bool, sharding: str) -> Callable[[], dict]:
+def scenario(pooled: bool, sharding: str, dedup: bool = False) -> Callable[[], dict]:
     def run() -> dict:
         rank = dist.get_rank()
-        root = os.path.join(sys.argv[2], f"{'bags' if pooled else 'seq'}_{sharding}")
-        piped = build(pooled, sharding, os.path.join(root, "pipeline", f"r{rank}"))
-        plain = build(pooled, sharding, os.path.join(root, "plain", f"r{rank}"))
+        name = f"{'bags' if pooled else 'seq'}_{sharding}{'_dedup' if dedup else ''}"
+        root = os.path.join(sys.argv[2], name)
+        piped = build(pooled, sharding, os.path.join(root, "pipeline", f"r{rank}"), dedup)
+        plain = build(pooled, sharding, os.path.join(root, "plain", f"r{rank}"), dedup)
         dense = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)
         pipeline = CPUPrefetchPipeline(piped, dense, CPU)
         local = batches(rank)
@@ -192,6 +198,7 @@ def sorted_export(table) -> dict[str, torch.Tensor]:
 SCENARIOS: dict[str, Callable[[], dict]] = {
     "bags_row_wise": scenario(True, "row_wise"),
     "sequences_table_wise": scenario(False, "table_wise"),
+    "bags_row_wise_dedup": scenario(True, "row_wise", dedup=True),
 }
 
 
