@@ -1,8 +1,7 @@
 """TorchRec's ``PrefetchTrainPipelineSparseDist`` reaches the SSD tiers of sharded KV
 tables (bags row-wise with and without ``use_index_dedup``, sequences table-wise,
-2 gloo ranks): prefetch hits on every
-tiered table under the pipeline, outputs and rows equal the plain loop's
-(``prefetch_worker``)."""
+2 gloo ranks): prefetch hits on every tiered table under the pipeline, outputs and
+rows equal the plain loop's (``prefetch_worker``)."""
 
 import json
 
