@@ -65,9 +65,6 @@ class KVBagLookup:
     A feature may feed several tables (as in TorchRec's collections): its bags are
     then copied once per table before the lookup."""
 
-    #: Whether a feature may feed several tables (the sequence lookup says no).
-    shared_features: bool = True
-
     def __init__(
         self,
         tables: Sequence[BagTable],
@@ -86,10 +83,6 @@ class KVBagLookup:
         for spec in tables:
             if len(set(spec.features)) != len(spec.features):
                 raise ValueError(f"table {spec.name!r} reads a feature twice: {spec.features}")
-        features = [f for t in tables for f in t.features]
-        if not self.shared_features and len(set(features)) != len(features):
-            shared = sorted({f for f in features if features.count(f) > 1})
-            raise ValueError(f"feature {shared[0]!r} is used by two tables")
 
         def optim_of(name: str) -> FusedOptimConfig:
             return optims if isinstance(optims, FusedOptimConfig) else optims[name]
@@ -98,7 +91,7 @@ class KVBagLookup:
         # tier a group of their own (one of a kind: a group of one keeping its arrays).
         by_key: dict[tuple, list[BagTable]] = {}
         for spec in tables:
-            tiered = options[spec.name].ssd is not None
+            tiered = options[spec.name].tiered
             if tiered and self.device.type == "meta":
                 raise ValueError(
                     f"table {spec.name!r}: an SSD tier cannot be built on the meta "
