@@ -65,3 +65,10 @@ def test_triton_lookups_add_to_the_metric_columns_by_name():
     }
     for constant, name in columns.items():
         assert getattr(group_lookup, constant).value == METRIC_NAMES.index(name), constant
+
+
+def test_the_ttl_sweep_adds_to_a_column_of_its_own():
+    from torchrec_kvemb import ttl
+
+    assert "ttl_evictions" in METRIC_NAMES[KERNEL_METRICS:]
+    assert METRIC_NAMES.index(ttl.TTL_EVICTIONS) == ttl._COLUMN

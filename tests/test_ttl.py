@@ -1,0 +1,278 @@
+"""TTL eviction (``KVTableOptions(ttl=TTLOptions(...))``) against a reference.
+
+The reference is a table of the same options without a TTL, run on the torch
+path, beside a Python model of the rule: an id's last step is the last step it
+was looked up in training; after each training lookup, the sweep window (the
+buckets at a cursor that walks the table, ``sweep_buckets_per_step`` of them)
+loses the ids held whose last step is at least ``steps`` steps ago (or whose
+step's time is at least ``seconds`` ago). The model removes those from the
+reference (``BucketIndex.remove``). Every step, the ids held by the TTL table
+(on each backend, grouped) equal the reference's, and ``ttl_evictions`` counts
+the removed ones; so a row freed too early or too late, or the wrong row, fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_kvemb import EvictionPolicy, KVEmbeddingBagCollection, KVTableOptions
+from torchrec_kvemb.backend import ENV_VAR
+from torchrec_kvemb.group import KVTableGroup
+from torchrec_kvemb.options import WAYS, SSDOptions, TTLOptions
+from torchrec_kvemb.state_dict.rows import TableRows, restore_table, table_state
+from torchrec_kvemb.table import KVTable
+
+BUCKETS = 2  # 32 rows: the stream's 64 ids overflow them (capacity eviction)
+STEPS = 13
+
+
+class Reference:
+    """A TTL-free table (torch path) and the TTL rule in Python over it."""
+
+    def __init__(self, options: KVTableOptions, times: list[float] | None = None) -> None:
+        self.ttl = options.ttl
+        self.table = KVTable("ref", 3, replace(options, ttl=None))
+        self.last: dict[int, int] = {}
+        self.cursor = 0
+        self.times = times  # the wall time of each step (index: step)
+        self.freed = 0
+
+    def held(self) -> set[int]:
+        return set(self.table.export()["ids"].tolist())
+
+    def step(self, ids: torch.Tensor) -> None:
+        self.table.lookup_train(ids)
+        now = self.table.step
+        for i in ids.tolist():
+            self.last[i] = now
+        buckets = self.table.index.num_buckets
+        per_step = self.ttl.sweep_buckets_per_step
+        if per_step is None:
+            period = self.ttl.steps or TTLOptions.SWEEP_STEPS
+            per_step = -(-buckets // period)
+        per_step = min(per_step, buckets)
+        window = {(self.cursor + k) % buckets for k in range(per_step)}
+        self.cursor = (self.cursor + per_step) % buckets
+        held = torch.tensor(sorted(self.held()), dtype=torch.int64)
+        bucket = self.table.index.buckets_of(held).tolist()
+        gone = [
+            i
+            for i, b in zip(held.tolist(), bucket, strict=True)
+            if b in window and self._expired(self.last[i], now)
+        ]
+        if gone:
+            self.table.index.remove(self.table.index.probe(torch.tensor(gone)))
+        self.freed += len(gone)
+
+    def _expired(self, last: int, now: int) -> bool:
+        if self.ttl.steps is not None:
+            return now - last >= self.ttl.steps
+        return self.times[now] - self.times[last] >= self.ttl.wall_seconds
+
+
+def _stream(seed: int, tables: int) -> list[list[torch.Tensor]]:
+    """Per step, per table: a batch of ids (repeats included) from 64 ids whose
+    popularity differs, so rows age at different rates."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(STEPS):
+        batch = []
+        for t in range(tables):
+            n = int(torch.randint(15, 28, (1,), generator=gen))
+            hot = torch.randint(0, 12, (n // 2,), generator=gen)
+            cold = torch.randint(12, 64, (n - n // 2,), generator=gen)
+            batch.append(torch.cat([hot, cold]) * 7919 + 2**33 * t + 5)
+        out.append(batch)
+    return out
+
+
+def _run_group(options: list[KVTableOptions], backend: str, monkeypatch, seed: int = 3) -> None:
+    """A group of TTL tables under ``backend`` against one reference per table."""
+    monkeypatch.setenv(ENV_VAR, {"native": "auto"}.get(backend, backend))
+    group = KVTableGroup([f"t{t}" for t in range(len(options))], options, dim=3)
+    refs = [Reference(o) for o in options]
+    for s, batch in enumerate(_stream(seed, len(options))):
+        ids = torch.cat(batch)
+        table_idx = torch.cat([torch.full_like(b, t) for t, b in enumerate(batch)])
+        assert group.backend(ids.device) == backend
+        group.lookup_train(ids, table_idx)
+        for t, (table, ref) in enumerate(zip(group.tables, refs, strict=True)):
+            ref.step(batch[t])
+            held = set(table.export()["ids"].tolist())
+            assert held == ref.held(), f"step {s + 1}, table {t}"
+            assert table.metrics()["ttl_evictions"] == ref.freed, f"step {s + 1}, table {t}"
+    assert sum(r.freed for r in refs) > 0, "the stream never expired a row"
+    full = sum(t.metrics()["evictions"] + t.metrics()["insert_failures"] for t in group.tables)
+    assert full > 0, "the tables never ran out of room"
+
+
+def _options(policy: EvictionPolicy, admission: int, steps: int, sweep: int | None):
+    return KVTableOptions(
+        capacity=BUCKETS * WAYS,
+        eviction=policy,
+        admission_threshold=admission,
+        admission_counter_capacity=40,
+        ttl=TTLOptions(steps=steps, sweep_buckets_per_step=sweep),
+    )
+
+
+@pytest.mark.parametrize("admission", [1, 2], ids=["admit_all", "admit_2"])
+@pytest.mark.parametrize(
+    "policy", [EvictionPolicy.LRU, EvictionPolicy.LFU, EvictionPolicy.NONE], ids=lambda p: p.name
+)
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_ttl_table_frees_exactly_the_rows_past_their_ttl(monkeypatch, backend, policy, admission):
+    # one table swept whole every step, one a bucket per step (rows outlive their TTL
+    # until the cursor reaches them; a lookup before that keeps them)
+    options = [_options(policy, admission, 3, 99), _options(policy, admission, 2, 1)]
+    _run_group(options, backend, monkeypatch)
+
+
+def test_ttl_on_the_triton_kernels(monkeypatch):
+    options = [
+        _options(EvictionPolicy.LFU, 2, 3, 99),
+        _options(EvictionPolicy.LRU, 1, 2, None),
+    ]
+    _run_group(options, "triton", monkeypatch, seed=4)
+
+
+def test_a_lone_table_frees_as_its_reference():
+    options = _options(EvictionPolicy.LFU, 1, 2, 2)
+    table, ref = KVTable("t", 3, options), Reference(options)
+    for batch in _stream(5, 1):
+        table.lookup_train(batch[0])
+        ref.step(batch[0])
+        assert set(table.export()["ids"].tolist()) == ref.held()
+    assert ref.freed > 0 and table.metrics()["ttl_evictions"] == ref.freed
+
+
+@pytest.mark.parametrize("policy", [EvictionPolicy.LRU, EvictionPolicy.LFU], ids=lambda p: p.name)
+def test_wall_time_ttl_frees_by_the_steps_times(policy):
+    # irregular step times from an injected clock: a row lives 4.0 s without a lookup
+    times = [0.0] + [0.7 * s + (1.9 if s > 6 else 0.0) for s in range(1, STEPS + 1)]
+    now = {"t": 0.0}
+    ttl = TTLOptions(seconds=4.0, sweep_buckets_per_step=99, clock=lambda: now["t"])
+    options = replace(_options(policy, 1, 1, None), ttl=ttl)
+    table, ref = KVTable("t", 3, options), Reference(options, times)
+    for s, batch in enumerate(_stream(7, 1), start=1):
+        now["t"] = times[s]
+        table.lookup_train(batch[0])
+        ref.step(batch[0])
+        assert set(table.export()["ids"].tolist()) == ref.held(), f"step {s}"
+    assert ref.freed > 0 and table.metrics()["ttl_evictions"] == ref.freed
+
+
+def test_eviction_ttl_mins_is_sixty_seconds_a_minute():
+    assert TTLOptions(eviction_ttl_mins=3).wall_seconds == 180.0
+    assert TTLOptions(seconds=2.5).wall_seconds == 2.5
+    assert TTLOptions(steps=4).wall_seconds is None
+
+
+def test_default_sweep_covers_the_table_once_per_ttl():
+    table = KVTable("t", 3, KVTableOptions(capacity=37 * WAYS, ttl=TTLOptions(steps=5)))
+    assert table.ttl.buckets_per_step() == 8  # ceil(37 / 5)
+    wall = KVTable("w", 3, KVTableOptions(capacity=200 * WAYS, ttl=TTLOptions(seconds=9.0)))
+    assert wall.ttl.buckets_per_step() == 4  # ceil(200 / SWEEP_STEPS = 64)
+
+
+def test_insert_counts_as_seen():
+    ttl = TTLOptions(steps=2, sweep_buckets_per_step=1)
+    options = KVTableOptions(capacity=WAYS, eviction=EvictionPolicy.LFU, ttl=ttl)
+    table = KVTable("t", 3, options)
+    table.lookup_train(torch.tensor([1]))  # step 1
+    table.insert(torch.tensor([2]), torch.ones(1, 3))  # seen at step 1
+    table.lookup_train(torch.tensor([1]))  # step 2
+    assert set(table.export()["ids"].tolist()) == {1, 2}
+    table.lookup_train(torch.tensor([1]))  # step 3: 2 unseen for 2 steps
+    assert set(table.export()["ids"].tolist()) == {1}
+    assert table.metrics()["ttl_evictions"] == 1
+
+
+def _ebc(policy: EvictionPolicy) -> KVEmbeddingBagCollection:
+    config = EmbeddingBagConfig(
+        name="t",
+        embedding_dim=3,
+        num_embeddings=2**40,
+        feature_names=["f"],
+        weight_init_min=-0.1,
+        weight_init_max=0.1,
+    )
+    options = replace(_options(policy, 1, 3, 99), capacity=8 * WAYS)
+    return KVEmbeddingBagCollection([config], options)
+
+
+def _kjt(ids: torch.Tensor) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.ones_like(ids, dtype=torch.int32))
+
+
+def test_state_dict_round_trip_keeps_the_last_steps_of_an_lru_table():
+    ebc, other = _ebc(EvictionPolicy.LRU), _ebc(EvictionPolicy.LRU)
+    stream = [b[0] for b in _stream(11, 1)]
+    for ids in stream[:6]:
+        ebc(_kjt(ids))
+    other.load_state_dict(ebc.state_dict())
+    a, b = ebc.table("t"), other.table("t")
+    assert b.step == a.step
+    for s, ids in enumerate(stream[6:], start=7):
+        ebc(_kjt(ids))
+        other(_kjt(ids))
+        assert torch.equal(a.export()["ids"], b.export()["ids"]), f"step {s}"
+    assert a.metrics()["ttl_evictions"] > 0
+
+
+def test_a_loaded_table_of_another_policy_counts_its_rows_seen_at_the_load():
+    # an LFU table's scores are counts: the last steps of its rows are not saved, and a
+    # load counts every row it restores as seen at the restored step
+    options = replace(_options(EvictionPolicy.LFU, 1, 3, 99), capacity=8 * WAYS)
+    table = KVTable("t", 3, options)
+    for ids in [b[0] for b in _stream(13, 1)][:5]:
+        table.lookup_train(ids)
+    saved = table_state(table)
+    loaded = KVTable("u", 3, options)
+    step = tuple(saved["step"].tolist())
+    rows = TableRows(saved["weight_id"], saved["weight"], saved["weight_score"], step=step)
+    restore_table(loaded, rows)
+    held = set(loaded.export()["ids"].tolist())
+    assert held == set(saved["weight_id"].tolist()) and loaded.step == 5
+    loaded.lookup_train(torch.tensor([1]))  # steps 6, 7: nothing is 3 steps old
+    loaded.lookup_train(torch.tensor([1]))
+    assert set(loaded.export()["ids"].tolist()) == held | {1}
+    loaded.lookup_train(torch.tensor([1]))  # step 8: every loaded row but 1's expires
+    assert set(loaded.export()["ids"].tolist()) == {1}
+    assert loaded.metrics()["ttl_evictions"] == len(held - {1})
+
+
+@pytest.mark.parametrize(
+    ("ttl", "message"),
+    [
+        (dict(), "exactly one of steps, seconds or eviction_ttl_mins"),
+        (dict(steps=2, seconds=1.0), "exactly one"),
+        (dict(steps=0), "steps must be an int >= 1"),
+        (dict(seconds=-1.0), "seconds must be > 0"),
+        (dict(eviction_ttl_mins=0), "eviction_ttl_mins must be > 0"),
+        (dict(steps=2, sweep_buckets_per_step=0), "sweep_buckets_per_step must be >= 1"),
+    ],
+    ids=["none", "two", "zero_steps", "negative_seconds", "zero_minutes", "zero_sweep"],
+)
+def test_bad_ttl_options_are_refused(ttl, message):
+    with pytest.raises(ValueError, match=message):
+        TTLOptions(**ttl)
+
+
+def test_ttl_with_a_lower_tier_or_a_growing_lfu_table_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="ttl with a lower tier"):
+        KVTableOptions(capacity=64, ttl=TTLOptions(steps=2), ssd=SSDOptions(str(tmp_path)))
+    with pytest.raises(ValueError, match="needs eviction=LRU"):
+        KVTableOptions(
+            capacity=64,
+            initial_capacity=16,
+            eviction=EvictionPolicy.LFU,
+            ttl=TTLOptions(steps=2),
+        )
+    with pytest.raises(TypeError, match="ttl must be a TTLOptions"):
+        KVTableOptions(capacity=64, ttl=3)
