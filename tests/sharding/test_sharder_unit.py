@@ -11,6 +11,7 @@ from torchrec.distributed.planner.estimator.config import EmbeddingPerfEstimator
 from torchrec.distributed.planner.types import PlannerError
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvemb import (
@@ -136,6 +137,29 @@ def test_planner_storage_follows_the_options():
         assert 0 <= nbytes - kv_table_bytes(options, dim, optim) < 4 * dim
     # Stock tables keep their own weight.
     assert params["stock_big"].shape == (500_000, 16)
+
+
+def test_planner_counts_the_optimizer_apply_optimizer_in_backward_marked():
+    """A KV table whose stock weight ``apply_optimizer_in_backward`` marked with Adam
+    is planned with Adam's state (two values per column), as it will be sharded."""
+    sharder = _sharders()[0]
+    ebc = EmbeddingBagCollection(_ebc_configs(), device=META)
+    adam = {"betas": (0.8, 0.95), "eps": 1e-6}
+    apply_optimizer_in_backward(torch.optim.Adam, [ebc.embedding_bags["kv"].weight], adam)
+    params = sharder.shardable_parameters(ebc)
+
+    def planned(name):
+        return params[name].numel() * params[name].element_size()
+
+    adam_optim = FusedOptimConfig.from_fused_params(
+        {**ADAGRAD, "optimizer": EmbOptimType.ADAM, **adam}
+    )
+    adagrad_optim = FusedOptimConfig.from_fused_params(ADAGRAD)
+    options = EBC_OPTIONS["kv"]
+    assert 0 <= planned("kv") - kv_table_bytes(options, 16, adam_optim) < 4 * 16
+    assert kv_table_bytes(options, 16, adam_optim) > kv_table_bytes(options, 16, adagrad_optim)
+    # The unmarked table keeps the sharder's optimizer.
+    assert 0 <= planned("kv_mean") - kv_table_bytes(EBC_OPTIONS["kv_mean"], 8, adagrad_optim) < 32
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 
-from torchrec_kvemb.optimizer import FusedOptimConfig
+from torchrec_kvemb.optimizer import FusedOptimConfig, fused_params_of_torch_optimizer
 from torchrec_kvemb.options import KVTableOptions, with_config_init
 from torchrec_kvemb.sharding.kv_embedding import KVTableSpecs, optim_config
 from torchrec_kvemb.sharding.planner import KV_COMPUTE_KERNEL, storage_proxy
@@ -157,12 +157,26 @@ class KVSharderBase:
         kv = set()
         for config in self.table_configs(module):
             if config.name in specs.options:
-                optim = specs.optims.get(config.name, self._optim)
+                optim = specs.optims.get(config.name) or self._marked_optim(
+                    params.get(config.name), config.name
+                )
                 params[config.name] = storage_proxy(
                     specs.options[config.name], config.embedding_dim, optim
                 )
                 kv.add(config.name)
         return TablesInPlanning(self, params, kv)
+
+    def _marked_optim(self, weight: torch.Tensor | None, table: str) -> FusedOptimConfig:
+        """The optimizer a stock table's KV shards will run: the sharder's
+        ``fused_params`` merged with what ``apply_optimizer_in_backward`` marked the
+        table's weight with, as TorchRec merges them at shard time (so the planner
+        counts that optimizer's state)."""
+        classes = getattr(weight, "_optimizer_classes", None)
+        if not classes or classes[0] is None:
+            return self._optim
+        kwargs = getattr(weight, "_optimizer_kwargs", [{}])[0]
+        marked = fused_params_of_torch_optimizer(classes[0], kwargs, table)
+        return optim_config({**(self.fused_params or {}), **marked}, table)
 
     def table_specs(self, module: nn.Module) -> KVTableSpecs:
         """The options (and, for a KV module, optimizers) of ``module``'s KV tables."""
