@@ -143,8 +143,8 @@ def check_fits(table: KVTable, rows: TableRows) -> None:
             f"table {table.name!r} lives on the meta device and cannot take rows: "
             "materialize the model on a real device before loading"
         )
-    if table.ssd is None and rows.ids.numel() > table.capacity:
+    if table.ssd is None and rows.ids.numel() > table.max_capacity:
         raise CheckpointError(
             f"table {table.name!r}: {rows.ids.numel()} rows do not fit its capacity "
-            f"{table.capacity} (this shard)"
+            f"{table.max_capacity} (this shard)"
         )
