@@ -79,10 +79,11 @@ def _check_rule(table: KVTable, min_count: int | None, seen_within_steps: int | 
 
 def _rows_and_last_steps(
     table: KVTable,
-) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-    """``(rows, last steps, slots)``: ``export()``'s rows in memory and every tier,
-    each row's last training step (None-free: the scores where they are steps), and
-    the memory slots of the rows (-1 for rows of a lower tier)."""
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor | None]:
+    """``(rows, last steps, slots)``: ``export()``'s rows (memory and every tier), each
+    row's last training step (an LRU table's scores; for a table that is not LRU,
+    meaningful only where it keeps them, a TTL table), and the rows' memory slots
+    (None for a tiered table, whose rows may be in a lower tier)."""
     if table.ttl is not None and table.ttl.keeps_array:  # never tiered (options.py)
         ids, slots = table.export_order()
         rows = {"ids": ids, **table.rows_of_slots(slots)}
