@@ -276,7 +276,7 @@ def test_group_of_tables_with_and_without_ssd_tier_is_refused(tmp_path) -> None:
         KVTableOptions(capacity=WAYS, ssd=SSDOptions(str(tmp_path), resume=False)),
         KVTableOptions(capacity=WAYS),
     ]
-    with pytest.raises(ValueError, match="'b': the tables of a group all have an SSD tier"):
+    with pytest.raises(ValueError, match="'b': the tables of a group all have a lower tier"):
         KVTableGroup(["a", "b"], options, dim=DIM)
 
 

@@ -3,9 +3,9 @@
 A table with a lower tier (``TieredKVTable``) keeps ``capacity`` rows in memory
 and every other row it holds in its lower tier; the two never hold the same id.
 The table moves rows between them through the methods below only, so a new
-tier (rows on disk: ``ssd.store.SSDStore``; host memory under a GPU table)
-plugs in by implementing them. docs/ssd-tier.md ("The lower-tier contract")
-says what each one guarantees.
+tier (rows on disk: ``ssd.store.SSDStore``; rows in host memory, over an
+optional SSD tier: ``host_tier.HostTier``) plugs in by implementing them.
+docs/ssd-tier.md ("The lower-tier contract") says what each one guarantees.
 
 A row crosses the boundary as ``[n, dim + state_dim]`` float32 (weights, then
 optimizer state) with two int64 scores: its *memory score* (the eviction score
@@ -34,8 +34,9 @@ from typing import Any, NamedTuple
 import torch
 
 #: The counters a lower tier reports (``LowerTier.metrics``), under the names
-#: ``KVTable.metrics()`` shows (docs/ssd-tier.md, "Metrics"); a tier counts those
-#: that apply to it and leaves the others at 0.
+#: ``KVTable.metrics()`` shows (docs/tiers.md, "Metrics"): ``ssd_*`` of the SSD
+#: tier, ``host_*`` of the host-memory tier; a tier counts those that apply to it
+#: and leaves the others at 0 (a host tier over an SSD tier reports both).
 TIER_COUNTERS = (
     "ssd_reads",
     "ssd_writes",
@@ -45,10 +46,15 @@ TIER_COUNTERS = (
     "ssd_corrupt",
     "ssd_prefetch_hits",
     "ssd_flushes",
+    "host_reads",
+    "host_writes",
+    "host_bytes_read",
+    "host_bytes_written",
+    "host_evictions",
 )
-#: What ``KVTable.metrics()`` shows of a lower tier: its counters, the table's
-#: scratch rows and the rows the tier holds (all 0 without a tier).
-TIER_METRICS = (*TIER_COUNTERS, "scratch_rows", "ssd_size")
+#: What ``KVTable.metrics()`` shows of its lower tiers: their counters, the table's
+#: scratch rows and the rows each tier holds (all 0 without a tier).
+TIER_METRICS = (*TIER_COUNTERS, "scratch_rows", "ssd_size", "host_size")
 
 
 class RestoredRows(NamedTuple):

@@ -47,6 +47,7 @@ import torch
 
 from torchrec_kvemb.backend import implementation
 from torchrec_kvemb.contracts import GroupLayout, GroupLookup, InsertResult, TableStorage
+from torchrec_kvemb.host_tier import HostTier
 from torchrec_kvemb.ops.hashing import INT64_MAX, route_bucket
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import WAYS, EvictionPolicy, KVTableOptions
@@ -83,20 +84,23 @@ class TieredKVTable(KVTable, serves_ssd=True):
         """``storage`` and ``pad``: a group's arrays and this table's share of the
         group's scratch pad (``KVTableGroup`` of tiered tables), instead of new ones."""
         super().__init__(name, dim, options, optim, device, storage=storage)
-        ssd = options.ssd
         policy = options.eviction
+        kind = "a host tier" if options.host_tier is not None else "an SSD tier"
         if policy == EvictionPolicy.NONE:
             raise ValueError(
-                f"table {name!r}: an SSD tier needs a table that evicts "
+                f"table {name!r}: {kind} needs a table that evicts "
                 "(EvictionPolicy.NONE never demotes a row)"
             )
-        if ssd.eviction in (EvictionPolicy.LFU, EvictionPolicy.CUSTOM_SCORE) and (
-            ssd.eviction != policy
-        ):
-            raise ValueError(
-                f"table {name!r}: SSD eviction {ssd.eviction.name} ranks rows by the "
-                f"table's scores, which are {policy.name} scores; use LRU or NONE"
-            )
+        for label, tier in (("SSD", options.ssd), ("host tier", options.host_tier)):
+            if tier is None:
+                continue
+            if tier.eviction in (EvictionPolicy.LFU, EvictionPolicy.CUSTOM_SCORE) and (
+                tier.eviction != policy
+            ):
+                raise ValueError(
+                    f"table {name!r}: {label} eviction {tier.eviction.name} ranks rows by "
+                    f"the table's scores, which are {policy.name} scores; use LRU or NONE"
+                )
         rank = default_rank() if rank is None else rank
         self._pad = pad or ScratchPad(self.weights, self.state).for_table(0, 0)
         self._native: tuple[GroupLayout, TableStorage] | None = None
@@ -109,12 +113,33 @@ class TieredKVTable(KVTable, serves_ssd=True):
             raise
 
     def _open_tier(self, rank: int) -> LowerTier:
-        """The lower tier under the memory rows: an ``SSDStore`` over ``options.ssd``."""
-        return SSDStore(self.name, self.dim, self.state_dim, self.options.ssd, rank)
+        """The lower tier under the memory rows: a ``HostTier`` over ``options.host_tier``
+        (over an ``SSDStore`` with ``options.ssd`` too), else an ``SSDStore``."""
+        ssd = None
+        if self.options.ssd is not None:
+            ssd = SSDStore(self.name, self.dim, self.state_dim, self.options.ssd, rank)
+        host = self.options.host_tier
+        if host is None:
+            return ssd
+        try:
+            return HostTier(
+                self.name,
+                self.dim,
+                self.state_dim,
+                host,
+                lower=ssd,
+                lower_scores=self._ssd_scores,
+                pin_memory=host.pin_memory and self.device.type == "cuda",
+            )
+        except BaseException:
+            if ssd is not None:
+                ssd.close()
+            raise
 
     @property
     def ssd(self) -> LowerTier:
-        """The SSD tier under the in-memory rows (an ``SSDStore``)."""
+        """The lower tier under the in-memory rows (an ``SSDStore``, or a ``HostTier``
+        over an optional ``SSDStore``)."""
         return self._tier
 
     @property
@@ -133,18 +158,27 @@ class TieredKVTable(KVTable, serves_ssd=True):
         return self.size + self._tier.size + self._pad.pending
 
     def room(self) -> int | None:
-        """Memory rows plus the SSD tier's capacity (None when the tier grows)."""
-        if self.options.ssd.capacity is None:
+        """Memory rows plus the lower tiers' capacity (None when the lowest grows)."""
+        lowest = self.options.ssd or self.options.host_tier
+        if lowest.capacity is None and getattr(lowest, "memory_budget_bytes", None) is None:
             return None
         return self.capacity + self._tier.capacity
 
     def tier_metrics(self) -> dict[str, float]:
-        """The tier's counters, the scratch rows served, and ``ssd_size`` (rows on the
-        tier and scratch rows waiting to be written there)."""
+        """The tiers' counters, the scratch rows served, ``ssd_size`` and
+        ``host_size``: rows on each tier (scratch rows waiting to be written to the
+        tier under the memory rows counted there)."""
+        tier = self._tier
+        if isinstance(tier, HostTier):
+            host = tier.host_size + self._pad.pending
+            ssd = tier.lower.size if tier.lower is not None else 0
+        else:
+            host, ssd = 0, tier.size + self._pad.pending
         return {
-            **self._tier.metrics(),
+            **tier.metrics(),
             "scratch_rows": self._scratch_rows,
-            "ssd_size": self._tier.size + self._pad.pending,
+            "ssd_size": ssd,
+            "host_size": host,
         }
 
     def batch_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,7 +205,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
         rows = restored.rows.to(self.device)
         self.set_rows(result.slots[stored], rows[stored.to(rows.device)])
         left = (~stored).cpu()
-        self._tier.adopt(ids[left], self._ssd_scores(scores[left]), records[left])
+        self._tier.adopt(ids[left], self._tier_scores(scores[left]), records[left])
 
     # --------------------------------------------------------------- lookups
     def lookup_train(
@@ -366,7 +400,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
         memory_scores[held] = held_scores
         memory_scores = memory_scores[left].cpu()
         rows = torch.cat([weights[left], state[left]], dim=1).cpu()
-        tier.put(ids[left].cpu(), memory_scores, self._ssd_scores(memory_scores), rows)
+        tier.put(ids[left].cpu(), memory_scores, self._tier_scores(memory_scores), rows)
         return result.slots
 
     def find(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -480,9 +514,18 @@ class TieredKVTable(KVTable, serves_ssd=True):
         self._tier.reserve(n)
 
     # ------------------------------------------------------------- internals
-    def _ssd_scores(self, memory_scores: torch.Tensor) -> torch.Tensor:
-        """The SSD tier's eviction scores of rows leaving memory with ``memory_scores``."""
-        policy = self.options.ssd.eviction
+    def _tier_scores(self, memory_scores: torch.Tensor) -> torch.Tensor:
+        """The eviction scores, in the tier under the memory rows, of rows leaving memory
+        with ``memory_scores``."""
+        host = self.options.host_tier
+        return self._ssd_scores(memory_scores, host.eviction if host is not None else None)
+
+    def _ssd_scores(
+        self, memory_scores: torch.Tensor, policy: EvictionPolicy | None = None
+    ) -> torch.Tensor:
+        """The SSD tier's eviction scores (or those of a tier of eviction ``policy``) of
+        rows leaving memory with ``memory_scores``."""
+        policy = policy or self.options.ssd.eviction
         if policy == EvictionPolicy.NONE:
             return torch.zeros_like(memory_scores)
         if policy == self.options.eviction:
@@ -523,7 +566,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
             return
         ids, scores, rows = self._pad.pending_rows()
         self.reserve_batch(ids.numel())
-        self._tier.put(ids.cpu(), scores.cpu(), self._ssd_scores(scores).cpu(), rows.cpu())
+        self._tier.put(ids.cpu(), scores.cpu(), self._tier_scores(scores).cpu(), rows.cpu())
         self._pad.release()
 
     def reserve_batch(self, n: int) -> None:
@@ -572,7 +615,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
         memory_scores = memory_scores.cpu()
         rows = self.rows_at(evicted_slots)
         self._tier.put(
-            evicted_ids.cpu(), memory_scores, self._ssd_scores(memory_scores), rows.cpu()
+            evicted_ids.cpu(), memory_scores, self._tier_scores(memory_scores), rows.cpu()
         )
         self.count("demotions", evicted_ids.numel())
 
