@@ -28,6 +28,7 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from tests.device_support import ATOL, RTOL, assert_tables_equal, backend, kjt_to
 from torchrec_kvemb import (
     EvictionPolicy,
     HostTierOptions,
@@ -108,7 +109,9 @@ def _options(case: str, path=None, all_in_memory: bool = False) -> KVTableOption
     )
 
 
-def _ebc(case: str, optim: str, path=None, all_in_memory: bool = False) -> KVEmbeddingBagCollection:
+def _ebc(
+    case: str, optim: str, path=None, all_in_memory: bool = False, device=None
+) -> KVEmbeddingBagCollection:
     configs = [
         EmbeddingBagConfig(
             name=name, embedding_dim=dim, num_embeddings=2**50, feature_names=[f"f{name}"]
@@ -116,7 +119,7 @@ def _ebc(case: str, optim: str, path=None, all_in_memory: bool = False) -> KVEmb
         for name, dim in DIMS.items()
     ]
     options = {name: _options(case, path and path / name, all_in_memory) for name in DIMS}
-    return KVEmbeddingBagCollection(configs, options, fused_params=OPTIMIZERS[optim])
+    return KVEmbeddingBagCollection(configs, options, device=device, fused_params=OPTIMIZERS[optim])
 
 
 #: Float tolerances: the native and torch paths sum in the same order as the
@@ -204,6 +207,61 @@ def test_host_tier_twin_with_prefetch(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_VAR, "auto")
     metrics = _run_twins("lru-host-bounded-over-ssd", "adam", tmp_path, prefetch=True)
     assert any(m["ssd_prefetch_hits"] > 0 for m in metrics.values()), metrics
+
+
+def test_host_tier_twin_on_the_device(device, tmp_path):
+    """The tiered collection on the device under test (its default backend; on CUDA
+    the host tier's rows pinned), the all-in-memory twin on the CPU torch path."""
+    case, optim = "lru-host-bounded-over-ssd", "rowwise-adagrad"
+    with backend("auto"):
+        tiered = _ebc(case, optim, tmp_path, device=device)
+    with backend("torch"):
+        full = _ebc(case, optim, all_in_memory=True)
+    for step, kjt in enumerate(_batches()[:4]):
+        grad = torch.randn(4, sum(DIMS.values()), generator=torch.Generator().manual_seed(step))
+        with backend("auto"):
+            got = tiered(kjt_to(kjt, device)).values()
+            (got * grad.to(device)).sum().backward()
+        with backend("torch"):
+            want = full(kjt).values()
+            (want * grad).sum().backward()
+        torch.testing.assert_close(got.cpu(), want, rtol=RTOL, atol=ATOL)
+        for name in DIMS:
+            got_rows = tiered.table(name).export()
+            assert_tables_equal(f"step {step} {name}", got_rows, full.table(name).export())
+    for name in DIMS:
+        tier = tiered.table(name).tier
+        assert tier.pinned == (device.type == "cuda") == tier._rows.is_pinned()
+        assert tiered.table(name).metrics()["host_evictions"] > 0
+        tiered.table(name).close()
+
+
+def test_close_and_reopen_over_ssd_restores_every_tier(tmp_path, monkeypatch):
+    """Over an SSD tier, a flush keeps the memory rows and the host tier's: a table
+    reopened on the same files holds every row as before, and trains on alike."""
+    monkeypatch.setenv(ENV_VAR, "auto")
+    case = "lru-host-bounded-over-ssd"
+    model, twin = _ebc(case, "adam", tmp_path / "t"), _ebc(case, "adam", all_in_memory=True)
+    batches = _batches()
+    for kjt in batches[:4]:
+        model(kjt).values().sum().backward()
+        twin(kjt).values().sum().backward()
+    want = {name: model.table(name).export() for name in DIMS}
+    for name in DIMS:
+        assert model.table(name).metrics()["host_size"] > 0
+        model.table(name).close()
+    reopened = _ebc(case, "adam", tmp_path / "t")
+    for name in DIMS:
+        table = reopened.table(name)
+        _assert_rows_equal(table.export(), want[name], f"reopened {name}")
+        assert table.step == model.table(name).step
+    for kjt in batches[4:]:
+        got, want = reopened(kjt).values(), twin(kjt).values()
+        torch.testing.assert_close(got, want, **TOLERANCE)
+        got.sum().backward()
+        want.sum().backward()
+    for name in DIMS:
+        reopened.table(name).close()
 
 
 # ---------------------------------------------------------------- the tier alone

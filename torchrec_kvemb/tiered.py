@@ -592,13 +592,16 @@ class TieredKVTable(KVTable, serves_ssd=True):
         ssd_slots = self._tier.lookup(miss_ids)
         held = (ssd_slots >= 0).nonzero().squeeze(1)
         scores, rows, ok = self._tier.fetch(miss_ids[held], ssd_slots[held])
-        held = held[ok]
+        if not bool(ok.all()):
+            held, scores, rows = held[ok], scores[ok], rows[ok]
         found = miss[held.to(miss.device)]
+        # why non_blocking: a host tier under a CUDA table gathers into pinned memory,
+        # so the copy to the device runs without a pageable bounce buffer.
         return (
             found,
             ssd_slots[held],
-            scores[ok].to(self.device),
-            rows[ok].to(self.device),
+            scores.to(self.device, non_blocking=rows.is_pinned()),
+            rows.to(self.device, non_blocking=rows.is_pinned()),
         )
 
     def demote(
