@@ -27,15 +27,15 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from torchrec_kvemb.contracts import METRIC_NAMES
 from torchrec_kvemb.options import WAYS, EvictionPolicy, KVTableOptions, TTLOptions
 
-if TYPE_CHECKING:
-    from torchrec_kvemb.table import KVTable
+#: A ``torchrec_kvemb.table.KVTable`` (not imported: the table imports this module).
+KVTable = Any
 
 __all__ = ["GroupTTL", "TableTTL", "ttl_bytes", "uses_last_seen"]
 
