@@ -41,7 +41,7 @@ __all__ = ["GroupTTL", "TableTTL", "ttl_bytes", "uses_last_seen"]
 
 #: The metric the sweep adds its freed rows to.
 TTL_EVICTIONS = "ttl_evictions"
-_COLUMN = METRIC_NAMES.index(TTL_EVICTIONS)
+TTL_COLUMN = METRIC_NAMES.index(TTL_EVICTIONS)
 
 
 def uses_last_seen(options: KVTableOptions) -> bool:
@@ -180,7 +180,7 @@ class TableTTL:
         self.table.index.scores[lo:hi].masked_fill_(expired, 0)
         freed = expired.sum()
         if self.table.device_metrics is not None:  # a group's counters: no host sync
-            self.table.device_metrics[_COLUMN] += freed
+            self.table.device_metrics[TTL_COLUMN] += freed
         else:
             self.table.count(TTL_EVICTIONS, int(freed))
 

@@ -71,4 +71,4 @@ def test_the_ttl_sweep_adds_to_a_column_of_its_own():
     from torchrec_kvemb import ttl
 
     assert "ttl_evictions" in METRIC_NAMES[KERNEL_METRICS:]
-    assert METRIC_NAMES.index(ttl.TTL_EVICTIONS) == ttl._COLUMN
+    assert METRIC_NAMES.index(ttl.TTL_EVICTIONS) == ttl.TTL_COLUMN
