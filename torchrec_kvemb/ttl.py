@@ -9,7 +9,7 @@ ids). The cost of a step is the rows swept, not the table.
 A row's last step seen: an LRU table's eviction score already is it (the kernels
 set it on every lookup); any other policy keeps ``last_seen``, one int64 per row
 (``TableTTL.bytes``), written after each training lookup over the batch's slots
-(O(batch), no host sync: ids without a row write to one more entry).
+(O(batch), no host sync).
 
 Wall-time TTL: each training step's time is read from ``TTLOptions.clock`` when
 its lookup ends; the step of a row's last lookup then says its time.
@@ -89,38 +89,35 @@ class TableTTL:
     def last_seen(self) -> torch.Tensor:
         """The last training step of each slot's row ``[buckets, WAYS]`` int64 (views:
         the LRU scores, or the table's ``last_seen`` array; free slots hold stale
-        values)."""
+        values, never above the current step)."""
         if not self.keeps_array:
             return self.table.index.scores
-        return self._array()[:-1].view(-1, WAYS)
-
-    def _array(self) -> torch.Tensor:
-        """``last_seen`` and one more entry, where ids without a row write (why: no
-        host sync to leave them out)."""
         if self._last_seen is None:
-            rows = self.table.capacity + 1
+            rows = self.table.capacity
             self._last_seen = torch.zeros(rows, dtype=torch.int64, device=self.table.device)
-        return self._last_seen
+        return self._last_seen.view(-1, WAYS)
 
     def last_seen_of(self, slots: torch.Tensor) -> torch.Tensor:
         """The last training step of the rows at ``slots``."""
         return self.last_seen.view(-1).index_select(0, slots)
 
-    def mark(self, slots: torch.Tensor, step: torch.Tensor | None = None) -> None:
-        """The rows at ``slots`` (local; -1: none) are seen at ``step`` (a 0-d tensor;
-        default: the table's current step)."""
+    def mark(self, slots: torch.Tensor) -> None:
+        """The rows at ``slots`` (local; -1: none) are seen at the current step.
+
+        why a max: steps only grow between loads (which reset every entry), so the
+        largest of a slot's value and the step is the step, and ids without a row
+        write nothing larger into slot 0 (no host sync to leave them out)."""
         if not self.keeps_array or slots.numel() == 0:
             return
-        array = self._array()
-        where = torch.where(slots >= 0, slots, array.numel() - 1)
-        step = self.table.clock[0] if step is None else step
-        array.index_put_((where,), step.expand(where.shape))
+        valid = slots >= 0
+        steps = torch.where(valid, self.table.clock[0], 0)
+        self.last_seen.view(-1).scatter_reduce_(0, slots.clamp(min=0), steps, reduce="amax")
 
     def mark_all(self) -> None:
-        """Every row held is seen at the current step (after a load: rows keep their
-        last steps only where the scores are them, docs/kv-table.md)."""
+        """Every row is seen at the current step (after a load: rows keep their last
+        steps only where the scores are them, docs/kv-table.md)."""
         if self.keeps_array and self.table.device.type != "meta":
-            self.mark(self.table.index.live_slots())
+            self.last_seen.fill_(self.table.step)
 
     # ----------------------------------------------------------------- sweep
     def after_lookup(self, slots: torch.Tensor) -> None:
