@@ -276,3 +276,18 @@ def test_ttl_with_a_lower_tier_or_a_growing_lfu_table_is_refused(tmp_path):
         )
     with pytest.raises(TypeError, match="ttl must be a TTLOptions"):
         KVTableOptions(capacity=64, ttl=3)
+
+
+@pytest.mark.parametrize("policy", [EvictionPolicy.LRU, EvictionPolicy.LFU], ids=lambda p: p.name)
+def test_a_memory_budget_holds_the_last_steps_too(policy):
+    budget = 10_007
+    ttl = TTLOptions(steps=3)
+    table = KVTable("t", 5, KVTableOptions(memory_budget_bytes=budget, eviction=policy, ttl=ttl))
+    table.lookup_train(torch.tensor([4, 9]))  # the last steps allocated, where kept
+    arrays = [table.weights, table.state, table.keys, table.scores]
+    if policy != EvictionPolicy.LRU:  # an LRU table's scores are its last steps
+        arrays.append(table.ttl.last_seen)
+    allocated = sum(a.numel() * a.element_size() for a in arrays)
+    assert allocated == table.memory_bytes() <= budget
+    per_row = 5 * 4 + 16 + (8 if policy != EvictionPolicy.LRU else 0)
+    assert table.capacity == budget // per_row // WAYS * WAYS

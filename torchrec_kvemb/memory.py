@@ -3,7 +3,8 @@
 A table (or shard) of ``capacity`` rows holds, per row: ``dim`` weights of
 ``options.weights_dtype`` (4 bytes each for float32, 2 for float16 / bfloat16),
 ``4 * state_dim`` bytes of float32 optimizer state, 8 bytes of key and 8 of
-score. An admission counter (``admission_threshold > 1``) adds 24 bytes per
+score, and with a TTL that is not LRU 8 of last step (``ttl.ttl_bytes``). An
+admission counter (``admission_threshold > 1``) adds 24 bytes per
 counted id (key, score, count), allocated whole from the start (it does not
 grow). With an SSD tier, ``SCRATCH_RESERVE_ROWS`` scratch rows (weights and
 state, ``ssd/scratch.py``) are part of the table too.
@@ -31,6 +32,7 @@ from typing import NamedTuple
 
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import WAYS, KVTableOptions
+from torchrec_kvemb.ttl import ttl_bytes
 
 INDEX_BYTES_PER_ROW = 16
 COUNTER_BYTES_PER_ID = 24
@@ -68,7 +70,7 @@ def table_buckets(options: KVTableOptions, dim: int, state_dim: int) -> Buckets:
     if options.capacity is not None:
         most = _whole_buckets(options.capacity) // WAYS
     else:
-        per_row = bytes_per_row(dim, state_dim, weight_bytes)
+        per_row = bytes_per_row(dim, state_dim, weight_bytes) + ttl_bytes(options, 1)
         fixed = 0
         if options.ssd is not None:
             fixed += SCRATCH_RESERVE_ROWS * scratch_row_bytes(dim, state_dim, weight_bytes)
@@ -125,7 +127,7 @@ class TableMemory(NamedTuple):
     counter_ids: int  # admission counter entries
     bytes: int  # at most: rows, index, admission counter, scratch reserve
     initial_rows: int  # capacity at build (``rows`` unless the table grows)
-    row_bytes: int  # bytes of one row of capacity (weights, state, key, score)
+    row_bytes: int  # bytes of one row of capacity (weights, state, key, score, TTL)
     scratch_bytes: int  # the scratch reserve (tables with an SSD tier)
 
 
@@ -142,7 +144,7 @@ def table_memory(options: KVTableOptions, dim: int, optim: FusedOptimConfig) -> 
     buckets = table_buckets(options, dim, state_dim)
     rows = buckets.maximum * WAYS
     counted = counter_capacity(options, rows)
-    per_row = bytes_per_row(dim, state_dim, weight_bytes)
+    per_row = bytes_per_row(dim, state_dim, weight_bytes) + ttl_bytes(options, 1)
     scratch = 0
     if options.ssd is not None:
         scratch = SCRATCH_RESERVE_ROWS * scratch_row_bytes(dim, state_dim, weight_bytes)
