@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -110,6 +111,7 @@ def start(path: str, write: Callable[[], None]) -> AsyncCheckpoint:
     handle = AsyncCheckpoint(path)
 
     def run() -> None:
+        lowest_priority()
         try:
             write()
         except CheckpointError as e:
@@ -127,6 +129,15 @@ def start(path: str, write: Callable[[], None]) -> AsyncCheckpoint:
         _pending = handle
     threading.Thread(target=run, name="kvemb-async-save", daemon=False).start()
     return handle
+
+
+def lowest_priority() -> None:
+    """Run the calling thread (and the threads it starts) at the lowest CPU
+    priority, where the OS allows it (Linux: a thread's own nice value)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
 
 
 def wait_previous(raise_failure: bool) -> None:
