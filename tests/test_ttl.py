@@ -13,6 +13,7 @@ the removed ones; so a row freed too early or too late, or the wrong row, fails.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -20,6 +21,7 @@ import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from tests.torchrun_jobs import read_result, run_job, torchrun_command
 from torchrec_kvemb import EvictionPolicy, KVEmbeddingBagCollection, KVTableOptions
 from torchrec_kvemb.backend import ENV_VAR
 from torchrec_kvemb.group import KVTableGroup
@@ -291,3 +293,14 @@ def test_a_memory_budget_holds_the_last_steps_too(policy):
     assert allocated == table.memory_bytes() <= budget
     per_row = 5 * 4 + 16 + (8 if policy != EvictionPolicy.LRU else 0)
     assert table.capacity == budget // per_row // WAYS * WAYS
+
+
+def test_sharded_ttl_tables_free_as_the_unsharded_one(tmp_path):
+    # one 2-rank job: row-wise and table-wise (tests/sharding/ttl_worker.py)
+    result_path = tmp_path / "result.json"
+    job = run_job(torchrun_command(2, "-m", "tests.sharding.ttl_worker", str(result_path)))
+    result = read_result(result_path, job)
+    assert set(result["scenarios"]) == {"ttl_row_wise", "ttl_table_wise"}
+    failed = {n: r for n, r in result["scenarios"].items() if not r["passed"]}
+    assert not failed, json.dumps(failed, indent=1)
+    assert job.returncode == 0, job.stderr[-6000:]
