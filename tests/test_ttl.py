@@ -153,6 +153,18 @@ def test_a_lone_table_frees_as_its_reference():
     assert ref.freed > 0 and table.metrics()["ttl_evictions"] == ref.freed
 
 
+def test_a_growing_lru_table_frees_as_its_reference():
+    # the reference grows too (TTL-free); whole sweeps, whatever the bucket count
+    options = replace(_options(EvictionPolicy.LRU, 1, 2, 99), initial_capacity=WAYS)
+    table, ref = KVTable("t", 3, options), Reference(options)
+    for s, batch in enumerate(_stream(9, 1), start=1):
+        table.lookup_train(batch[0])
+        ref.step(batch[0])
+        assert set(table.export()["ids"].tolist()) == ref.held(), f"step {s}"
+    assert table.metrics()["growths"] > 0 and ref.freed > 0
+    assert table.metrics()["ttl_evictions"] == ref.freed
+
+
 @pytest.mark.parametrize("policy", [EvictionPolicy.LRU, EvictionPolicy.LFU], ids=lambda p: p.name)
 def test_wall_time_ttl_frees_by_the_steps_times(policy):
     # irregular step times from an injected clock: a row lives 4.0 s without a lookup
