@@ -46,7 +46,7 @@ from torchrec_kvemb.memory import table_memory
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import WAYS, KVTableOptions
 from torchrec_kvemb.ssd.scratch import ScratchPad
-from torchrec_kvemb.table import KVTable
+from torchrec_kvemb.table import KVTable, grown_storage
 from torchrec_kvemb.tiered_lookup import lookup_train_tiers
 from torchrec_kvemb.ttl import GroupTTL
 
@@ -172,38 +172,50 @@ class KVTableGroup:
     # ---------------------------------------------------------------- growth
     def make_room(self, ids: torch.Tensor, table_idx: torch.Tensor) -> None:
         """Grow the tables below their maximum that a training batch (``ids`` with
-        ``table_idx``) would otherwise make evict or fail (``KVTable.make_room``);
-        nothing to do (no host sync) once every table is at its maximum."""
-        growing = [t for t, table in enumerate(self.tables) if table.capacity < table.max_capacity]
-        for t in growing:
-            mine = ids[table_idx == t]
-            if mine.numel():
-                uniq, counts = torch.unique(mine, return_counts=True)
-                self.tables[t].make_room(uniq, counts)
+        ``table_idx``) would otherwise make evict or fail (``KVTable.make_room``), in
+        one reallocation; nothing to do (no host sync) once every table is at its
+        maximum."""
+        rows = {}
+        for t, table in enumerate(self.tables):
+            if table.capacity < table.max_capacity:
+                mine = ids[table_idx == t]
+                if mine.numel():
+                    uniq, counts = torch.unique(mine, return_counts=True)
+                    rows[t] = table.rows_needed(uniq, counts)
+        self._resize({t: n for t, n in rows.items() if n != self.tables[t].capacity})
 
     def _regrow(self, table: KVTable, rows: int) -> None:
-        """Reallocate the group's index and rows with ``rows`` rows for ``table`` (its
-        ids rehashed into them, ``KVTable.rehash_into``) and the other tables' copied
-        as they are; the admission counter and clocks stay."""
+        """``KVTable.grow`` of one of the group's tables."""
+        self._resize({self.tables.index(table): rows})
+
+    def _resize(self, rows: dict[int, int]) -> None:
+        """Reallocate the group's index and rows with ``rows[t]`` rows for table ``t``
+        (its ids rehashed into them, ``KVTable.rehash_into``; each counts a growth)
+        and the other tables' copied as they are; the admission counter and clocks
+        stay."""
+        if not rows:
+            return
         if self.pad is not None:
-            raise RuntimeError(f"table {table.name!r}: tables with an SSD tier do not grow")
+            raise RuntimeError(
+                f"table {self.tables[0].name!r}: tables with an SSD tier do not grow"
+            )
         old = self.storage
-        capacities = [rows if t is table else t.capacity for t in self.tables]
-        storage = TableStorage.allocate(
-            sum(capacities), self.dim, old.state.shape[1], 0, self.device, old.weights.dtype
-        )
+        capacities = [rows.get(t, table.capacity) for t, table in enumerate(self.tables)]
+        storage = grown_storage(sum(capacities), old.weights, old.state)
         storage = storage._replace(
             counter_keys=old.counter_keys, counter_scores=old.counter_scores, counts=old.counts
         )
         row0 = 0
-        for t, n in zip(self.tables, capacities, strict=True):
+        for t, (table, n) in enumerate(zip(self.tables, capacities, strict=True)):
             part = storage.part((row0, row0 + n), (0, 0))
-            if t is table:
-                t.rehash_into(part)
+            if t in rows:
+                table.rehash_into(part)
+                table.count("growths", 1)
             else:
-                for new, now in zip(part[:4], (t.keys, t.scores, t.weights, t.state), strict=True):
+                arrays = (table.keys, table.scores, table.weights, table.state)
+                for new, now in zip(part[:4], arrays, strict=True):
                     new.copy_(now)
-                t.use_rows(part)
+                table.use_rows(part)
             row0 += n
         self.storage = storage
         self._place()

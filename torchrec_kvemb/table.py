@@ -49,6 +49,23 @@ def max_per_unique(
     return out.scatter_reduce_(0, inverse, scores.to(torch.int64), reduce="amax")
 
 
+def grown_storage(rows: int, weights: torch.Tensor, state: torch.Tensor) -> TableStorage:
+    """An empty index of ``rows`` slots, rows like ``weights`` and ``state`` (not
+    zeroed: a row is written when an id takes its slot, and only rows of stored ids
+    are read), no admission counter: what a table grows into."""
+    keys = torch.full((rows // WAYS, WAYS), -1, dtype=torch.int64, device=weights.device)
+    empty = keys.new_empty(0)
+    return TableStorage(
+        keys,
+        torch.zeros_like(keys),
+        weights.new_empty(rows, weights.shape[1]),
+        state.new_empty(rows, state.shape[1]),
+        empty.view(0, WAYS),
+        empty.view(0, WAYS),
+        empty,
+    )
+
+
 class KVTable:
     """A key-value, zero-collision embedding table (one shard).
 
@@ -428,8 +445,15 @@ class KVTable:
         why a probe before the lookup: a table that grows before any bucket would
         overflow holds, bucket by bucket, what a table built at its maximum holds
         (memory.py, "Growth"), so it looks up, trains and evicts as that one."""
+        rows = self.rows_needed(ids, counts)
+        if rows != self.capacity:
+            self.grow(rows)
+
+    def rows_needed(self, ids: torch.Tensor, counts: torch.Tensor | None = None) -> int:
+        """The capacity ``make_room`` grows the table to for ``ids`` (its capacity
+        now when nothing would overflow, or at ``max_capacity``)."""
         if self.capacity >= self.max_capacity or ids.numel() == 0:
-            return
+            return self.capacity
         absent = self.index.probe(ids) < 0
         new = ids[absent]
         if counts is not None and self.counter is not None and new.numel():
@@ -437,7 +461,7 @@ class KVTable:
             seen = torch.where(where >= 0, self.counts[where.clamp(min=0)], 0)
             new = new[seen + counts[absent] >= self.options.admission_threshold]
         if new.numel() == 0:
-            return
+            return self.capacity
         buckets = target = self.index.num_buckets
         most = self.max_capacity // WAYS
         load = (self.index.keys >= 0).sum(1)
@@ -451,8 +475,7 @@ class KVTable:
             if int(load.max()) <= WAYS:
                 break
             target *= 2
-        if target != buckets:
-            self.grow(target * WAYS)
+        return target * WAYS
 
     def grow(self, rows: int) -> None:
         """Rehash into ``rows`` rows of capacity (``capacity`` times a power of two, at
@@ -467,11 +490,8 @@ class KVTable:
             )
         if self.regrow is not None:
             self.regrow(self, rows)
-        else:
-            storage = TableStorage.allocate(
-                rows, self.dim, self.state_dim, 0, self.device, self.weights.dtype
-            )
-            self.rehash_into(storage)
+            return
+        self.rehash_into(grown_storage(rows, self.weights, self.state))
         self.count("growths", 1)
 
     def rehash_into(self, storage: TableStorage) -> None:
