@@ -6,7 +6,7 @@ A table (or shard) of ``capacity`` rows holds, per row: ``dim`` weights of
 score, and with a TTL that is not LRU 8 of last step (``ttl.ttl_bytes``). An
 admission counter (``admission_threshold > 1``) adds 24 bytes per
 counted id (key, score, count), allocated whole from the start (it does not
-grow). With an SSD tier, ``SCRATCH_RESERVE_ROWS`` scratch rows (weights and
+grow). With a lower tier (SSD or host), ``SCRATCH_RESERVE_ROWS`` scratch rows (weights and
 state, ``ssd/scratch.py``) are part of the table too.
 
 ``memory_budget_bytes`` covers all of it: the rows are what is left of the
@@ -72,7 +72,7 @@ def table_buckets(options: KVTableOptions, dim: int, state_dim: int) -> Buckets:
     else:
         per_row = bytes_per_row(dim, state_dim, weight_bytes) + ttl_bytes(options, 1)
         fixed = 0
-        if options.ssd is not None:
+        if options.tiered:
             fixed += SCRATCH_RESERVE_ROWS * scratch_row_bytes(dim, state_dim, weight_bytes)
         if options.admission_threshold > 1:
             if options.admission_counter_capacity is None:
@@ -146,7 +146,7 @@ def table_memory(options: KVTableOptions, dim: int, optim: FusedOptimConfig) -> 
     counted = counter_capacity(options, rows)
     per_row = bytes_per_row(dim, state_dim, weight_bytes) + ttl_bytes(options, 1)
     scratch = 0
-    if options.ssd is not None:
+    if options.tiered:
         scratch = SCRATCH_RESERVE_ROWS * scratch_row_bytes(dim, state_dim, weight_bytes)
     total = rows * per_row + counted * COUNTER_BYTES_PER_ID + scratch
     return TableMemory(rows, state_dim, counted, total, buckets.initial * WAYS, per_row, scratch)
