@@ -12,6 +12,9 @@ Runs, in turn, each benchmark module's ``main``:
 * ``ssd``: a tenth of the ids in memory with the SSD tier vs all in memory
   (``benchmarks.ssd_tier``; and for 4 such tables, each system timed on its own:
   ``--tables 4 --sequential``);
+* ``growth``: the growth phase of tables that start at 1/64 of their capacity vs
+  tables built at capacity, same batches, and the memory at the end
+  (``benchmarks.growth``);
 * ``checkpoint``: checkpoint save/load vs the disk's sequential rates
   (``benchmarks.checkpoint``);
 * ``soak``: a table at capacity over an SSD tier under constant churn, at the
@@ -52,7 +55,7 @@ from benchmarks.common import format_ratio, format_table, machine_summary, markd
 
 #: Tables of the SSD tier's several-table figure (``ssd_tier --tables 4 --sequential``).
 SSD_TABLES = 4
-BENCHMARKS = ("ebc", "ec", "precision", "dist", "ssd", "checkpoint", "soak")
+BENCHMARKS = ("ebc", "ec", "precision", "dist", "ssd", "growth", "checkpoint", "soak")
 RESULTS_FILE = "benchmark-results.md"
 GPU_RESULTS_FILE = "benchmark-results-gpu.md"
 HEADERS = ("benchmark", "ratio", "KV", "baseline", "value", "target", "")
@@ -211,6 +214,20 @@ def run_checkpoint(quick: bool) -> tuple[list[Row], object]:
     return rows, result
 
 
+def run_growth(quick: bool) -> tuple[list[Row], object]:
+    from benchmarks import growth
+
+    result = growth.main(["--quick"] if quick else [])
+    fixed, grown = growth.FIXED, growth.GROWN
+    rows = [
+        Row("growth", f"{grown} / {fixed} train", result.ids_per_s(grown) / 1e6,
+            result.ids_per_s(fixed) / 1e6, "M ids/s", growth.TARGET),
+        Row("growth", f"{grown} / {fixed} memory at end", result.memory_end[grown] / 1e6,
+            result.memory_end[fixed] / 1e6, "MB", None),
+    ]  # fmt: skip
+    return rows, result
+
+
 def run_soak(quick: bool) -> tuple[list[Row], object]:
     from benchmarks import soak
 
@@ -255,6 +272,7 @@ RUNNERS: dict[str, Callable[[bool], tuple[list[Row], object]]] = {
     "precision": run_precision,
     "dist": run_dist,
     "ssd": run_ssd,
+    "growth": run_growth,
     "checkpoint": run_checkpoint,
     "soak": run_soak,
 }
