@@ -119,6 +119,11 @@ class CheckpointBenchResult:
         """GB/s (10**9 bytes) of ``what``."""
         return self.bytes / self.seconds[what] / 1e9
 
+    def steps_per_s(self, key: str) -> float:
+        """Training steps per second of ``step_seconds[key]``."""
+        n = self.steps["plain write" if "plain write" in key else "in flight"]
+        return n / self.step_seconds[key] if self.step_seconds[key] > 0 else float("nan")
+
     def async_ratio(self) -> float:
         """Training steps per second with an async save in flight / with none."""
         return self.step_seconds["none"] / self.step_seconds["in flight"]

@@ -15,7 +15,8 @@ Runs, in turn, each benchmark module's ``main``:
 * ``growth``: the growth phase of tables that start at 1/64 of their capacity vs
   tables built at capacity, same batches, and the memory at the end
   (``benchmarks.growth``);
-* ``checkpoint``: checkpoint save/load vs the disk's sequential rates
+* ``checkpoint``: checkpoint save/load vs the disk's sequential rates, and
+  training steps with an asynchronous save in flight vs none
   (``benchmarks.checkpoint``);
 * ``soak``: a table at capacity over an SSD tier under constant churn, at the
   short setting (``benchmarks.soak --quick``; its full setting is 20,000
@@ -211,6 +212,11 @@ def run_checkpoint(quick: bool) -> tuple[list[Row], object]:
             checkpoint.TARGETS[what])
         for what, disk in (("save", "disk write"), ("load", "disk read"))
     ]  # fmt: skip
+    rows.append(
+        Row("checkpoint", "train steps: async save in flight / none",
+            result.steps_per_s("in flight"), result.steps_per_s("none"), "steps/s",
+            checkpoint.ASYNC_TARGET)
+    )  # fmt: skip
     return rows, result
 
 
