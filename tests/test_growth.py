@@ -18,7 +18,7 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_kvemb import EvictionPolicy, KVEmbeddingBagCollection, KVTableOptions
+from torchrec_kvemb import EvictionPolicy, KVEmbeddingBagCollection, KVTableOptions, SSDOptions
 from torchrec_kvemb.backend import ENV_VAR
 from torchrec_kvemb.memory import table_memory
 from torchrec_kvemb.ops import native
@@ -205,3 +205,23 @@ def test_shards_grow_from_their_share():
     assert (shard.capacity, shard.initial_capacity) == (334, 34)
     table = KVTable("s", 2, shard)
     assert table.capacity < table.max_capacity
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"capacity": 100, "initial_capacity": 0}, "initial_capacity must be > 0"),
+        ({"capacity": 100, "initial_capacity": 101}, "is above capacity 100"),
+        ({"capacity": 100, "initial_capacity": 10, "ssd": SSDOptions("/tmp/x")}, "lower tier"),
+    ],
+    ids=["zero", "above_capacity", "ssd_tier"],
+)
+def test_bad_initial_capacity_is_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        KVTableOptions(**kwargs)
+
+
+def test_initial_capacity_above_what_a_budget_holds_is_refused():
+    options = KVTableOptions(memory_budget_bytes=10_000, initial_capacity=500)
+    with pytest.raises(ValueError, match="initial_capacity=500 is above"):
+        KVTable("t", 4, options)
