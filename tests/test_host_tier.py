@@ -43,6 +43,7 @@ from torchrec_kvemb.host_tier import HostTier, host_row_bytes
 from torchrec_kvemb.ops.hashing import index_bucket
 from torchrec_kvemb.options import WAYS
 from torchrec_kvemb.ssd import SSDStore
+from torchrec_kvemb.ssd.estimate import planner_storage, storage_estimate
 
 DIMS = {"a": 3, "b": 5}
 MEMORY_BUCKETS = 3
@@ -314,6 +315,38 @@ def test_host_tier_budget_holds():
     assert tier.host_bytes() <= budget and tier.host_size <= tier.host_capacity
     with pytest.raises(ValueError, match="table 'u'.*fewer than 16 rows"):
         HostTier("u", dim, state_dim, HostTierOptions(memory_budget_bytes=500))
+
+
+@pytest.mark.parametrize(
+    "host",
+    [HostTierOptions(capacity=5 * WAYS + 3), HostTierOptions(memory_budget_bytes=41_017)],
+    ids=["capacity", "budget"],
+)
+@pytest.mark.parametrize("over_ssd", [False, True], ids=["alone", "over-ssd"])
+def test_planner_figures_equal_what_the_tiers_allocate(host, over_ssd, tmp_path):
+    """``storage_estimate`` / ``planner_storage``: the table's own arrays (HBM on
+    CUDA) apart from the lower tiers' host memory (DDR), each equal to the bytes the
+    built table and tiers hold."""
+    ssd = SSDOptions(str(tmp_path), capacity=300) if over_ssd else None
+    options = KVTableOptions(capacity=3 * WAYS, host_tier=host, ssd=ssd)
+    table = KVTable("t", 7, options)
+    table.lookup_train(torch.arange(3 * WAYS) * 11)  # the scratch pad takes its first rows
+    estimate = storage_estimate(options, 7)
+    tier = table.tier
+    assert estimate["host_rows"] == tier.host_capacity
+    assert estimate["table_bytes"] == table.memory_bytes()
+    if over_ssd:  # the SSD tier's index at its capacity; its records by the slab bound
+        assert estimate["host_bytes"] >= tier.memory_bytes()
+    else:
+        assert estimate["host_bytes"] == tier.memory_bytes() == tier.host_bytes()
+    if host.memory_budget_bytes is not None:
+        assert tier.host_bytes() <= host.memory_budget_bytes
+    assert estimate["memory_bytes"] == estimate["table_bytes"] + estimate["host_bytes"]
+    cuda = planner_storage(options, 7, compute_device="cuda")
+    cpu = planner_storage(options, 7, compute_device="cpu")
+    assert (cuda.hbm, cuda.ddr) == (estimate["table_bytes"], estimate["host_bytes"])
+    assert (cpu.hbm, cpu.ddr) == (0, estimate["memory_bytes"])
+    table.close()
 
 
 def test_bad_host_tier_options():

@@ -13,7 +13,7 @@ under itself and the tiers stack::
 A row leaves a tier only into the one below it, or out of the lowest by that
 tier's eviction; no two tiers hold the same id.
 
-**Storage.** A :class:`~torchrec_kvemb.ssd.slot_index.SlotIndex` (the bucketed
+**Storage.** A :class:`~torchrec_kvemb.slot_index.SlotIndex` (the bucketed
 index of the native CPU kernels, ``index.BucketIndex``) maps ids to slots and
 slots to *records*: rows of one ``[records, dim + state_dim]`` float32 array
 (pinned on a CUDA table), with each record's id and memory score beside it.
@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from torchrec_kvemb.options import WAYS, EvictionPolicy, HostTierOptions
-from torchrec_kvemb.ssd.slot_index import INDEX_BYTES_PER_SLOT, INITIAL_BUCKETS, SlotIndex
+from torchrec_kvemb.slot_index import INDEX_BYTES_PER_SLOT, INITIAL_BUCKETS, SlotIndex
 from torchrec_kvemb.tier import TIER_COUNTERS, LowerTier, RestoredRows
 
 #: ``lookup`` gives the SSD tier's slots plus this offset (host slots stay below it).
@@ -173,9 +173,14 @@ class HostTier(LowerTier):
         self._free_count += added.numel()
         self._records = records
 
-    def _alloc(self, n: int) -> torch.Tensor:
+    def _make_room(self, n: int) -> None:
+        """``n`` free records, the arrays grown by half at least (why: growing to the
+        exact need copied every row at every step, 6x a step's time)."""
         if self._free_count < n:
             self._grow(self._records + max(n - self._free_count, self._records // 2, MIN_RECORDS))
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        self._make_room(n)
         self._free_count -= n
         return self._free[self._free_count : self._free_count + n].flip(0)
 
@@ -318,7 +323,7 @@ class HostTier(LowerTier):
         reserves room for the ``n`` rows a ``put`` may move down."""
         self._check_open()
         if self._capacity is None:
-            self._grow(self._index.size + n)
+            self._make_room(n)
         if self.lower is not None:
             self.lower.reserve(n)
 

@@ -20,9 +20,9 @@ from torchrec_kvemb.index import BucketIndex
 from torchrec_kvemb.ops.hashing import index_bucket
 from torchrec_kvemb.optimizer import FusedOptimConfig, OptimKind
 from torchrec_kvemb.options import WAYS
+from torchrec_kvemb.slot_index import INITIAL_BUCKETS, SlotIndex
 from torchrec_kvemb.ssd import KVStorageError, storage_estimate
 from torchrec_kvemb.ssd.slab import HEADER_BYTES
-from torchrec_kvemb.ssd.slot_index import INITIAL_BUCKETS, SlotIndex
 from torchrec_kvemb.state_dict import restore_table, rows_from_entries, table_state
 
 DIM = 6

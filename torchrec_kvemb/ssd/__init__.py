@@ -1,7 +1,8 @@
 """Storage of the lower tier under a KV table: rows on disk.
 
 * ``slab``: the record file (fixed-size records, checksums, memory-mapped).
-* ``slot_index``: the id index of the rows on disk (bounded, or growing).
+* ``torchrec_kvemb.slot_index`` (beside this package): the id index of the rows on
+  disk (bounded, or growing), shared with the host tier.
 * ``store``: one table shard's rows on disk: index, copy-on-write records, flush.
 * ``prefetch``: reading a coming batch's rows on a background thread.
 * ``estimate``: memory and disk a table will use.

@@ -9,7 +9,7 @@ Files, one pair per table and rank, in ``SSDOptions.path``::
     <table>.rank<r>.slab     the records (see ``slab.py``)
     <table>.rank<r>.index    the durable index, rewritten by every ``flush``
 
-**Index.** A :class:`~torchrec_kvemb.ssd.slot_index.SlotIndex`: the same
+**Index.** A :class:`~torchrec_kvemb.slot_index.SlotIndex`: the same
 bucketed index as the in-memory table, plus the slab record that holds each
 slot's row. Its scores are the SSD tier's eviction scores. With a ``capacity``
 the index has ``capacity`` slots and drops rows by its eviction policy
@@ -29,7 +29,7 @@ rows, the table's counters) to ``.index.tmp``, fsyncs it, renames it over
 
 Why one file of some 550 lines: one class whose index, slab records and flush
 protocol must stay consistent with each other at every step (the copy-on-write
-rule above); the slab format (``slab.py``) and the index (``slot_index.py``)
+rule above); the slab format (``slab.py``) and the index (``torchrec_kvemb/slot_index.py``)
 are already modules of their own.
 
 Example::
@@ -56,9 +56,9 @@ import numpy as np
 import torch
 
 from torchrec_kvemb.options import WAYS, EvictionPolicy, SSDOptions
+from torchrec_kvemb.slot_index import INITIAL_BUCKETS, SlotIndex
 from torchrec_kvemb.ssd.prefetch import Prefetcher
 from torchrec_kvemb.ssd.slab import KVStorageError, Slab, fsync_fd, fsync_path, storage_error
-from torchrec_kvemb.ssd.slot_index import INITIAL_BUCKETS, SlotIndex
 from torchrec_kvemb.tier import TIER_COUNTERS, LowerTier, RestoredRows
 
 INDEX_FORMAT = 1

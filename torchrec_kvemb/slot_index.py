@@ -1,4 +1,7 @@
-"""``SlotIndex``: the SSD tier's id index, a bucketed index with a slab record per slot.
+"""``SlotIndex``: a lower tier's id index, a bucketed index with a record per slot.
+
+The SSD tier's records are slab records (``ssd/store.py``), the host tier's rows
+of its arrays (``host_tier.py``).
 
 Bounded (a capacity): one fixed :class:`~torchrec_kvemb.index.BucketIndex`;
 ``insert`` ranks new ids against stored ones by the tier's eviction policy.
