@@ -47,8 +47,8 @@ class Reference:
     def held(self) -> set[int]:
         return set(self.table.export()["ids"].tolist())
 
-    def step(self, ids: torch.Tensor) -> None:
-        self.table.lookup_train(ids)
+    def step(self, ids: torch.Tensor, custom: torch.Tensor | None = None) -> None:
+        self.table.lookup_train(ids, custom)
         now = self.table.step
         for i in ids.tolist():
             self.last[i] = now
@@ -93,8 +93,15 @@ def _stream(seed: int, tables: int) -> list[list[torch.Tensor]]:
     return out
 
 
+def _custom(ids: torch.Tensor) -> torch.Tensor:
+    """A custom score per id (the same at every step)."""
+    return ids * 2_654_435_761 % 1_009
+
+
 def _run_group(options: list[KVTableOptions], backend: str, monkeypatch, seed: int = 3) -> None:
-    """A group of TTL tables under ``backend`` against one reference per table."""
+    """A group of TTL tables under ``backend`` against one reference per table (custom
+    scores for CUSTOM_SCORE tables)."""
+    custom = options[0].eviction == EvictionPolicy.CUSTOM_SCORE
     monkeypatch.setenv(ENV_VAR, {"native": "auto"}.get(backend, backend))
     group = KVTableGroup([f"t{t}" for t in range(len(options))], options, dim=3)
     refs = [Reference(o) for o in options]
@@ -102,9 +109,9 @@ def _run_group(options: list[KVTableOptions], backend: str, monkeypatch, seed: i
         ids = torch.cat(batch)
         table_idx = torch.cat([torch.full_like(b, t) for t, b in enumerate(batch)])
         assert group.backend(ids.device) == backend
-        group.lookup_train(ids, table_idx)
+        group.lookup_train(ids, table_idx, _custom(ids) if custom else None)
         for t, (table, ref) in enumerate(zip(group.tables, refs, strict=True)):
-            ref.step(batch[t])
+            ref.step(batch[t], _custom(batch[t]) if custom else None)
             held = set(table.export()["ids"].tolist())
             assert held == ref.held(), f"step {s + 1}, table {t}"
             assert table.metrics()["ttl_evictions"] == ref.freed, f"step {s + 1}, table {t}"
@@ -125,7 +132,9 @@ def _options(policy: EvictionPolicy, admission: int, steps: int, sweep: int | No
 
 @pytest.mark.parametrize("admission", [1, 2], ids=["admit_all", "admit_2"])
 @pytest.mark.parametrize(
-    "policy", [EvictionPolicy.LRU, EvictionPolicy.LFU, EvictionPolicy.NONE], ids=lambda p: p.name
+    "policy",
+    [EvictionPolicy.LRU, EvictionPolicy.LFU, EvictionPolicy.CUSTOM_SCORE, EvictionPolicy.NONE],
+    ids=lambda p: p.name,
 )
 @pytest.mark.parametrize("backend", ["torch", "native"])
 def test_ttl_table_frees_exactly_the_rows_past_their_ttl(monkeypatch, backend, policy, admission):
@@ -165,17 +174,25 @@ def test_a_growing_lru_table_frees_as_its_reference():
     assert table.metrics()["ttl_evictions"] == ref.freed
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["lone", "native_group"])
 @pytest.mark.parametrize("policy", [EvictionPolicy.LRU, EvictionPolicy.LFU], ids=lambda p: p.name)
-def test_wall_time_ttl_frees_by_the_steps_times(policy):
+def test_wall_time_ttl_frees_by_the_steps_times(monkeypatch, policy, grouped):
     # irregular step times from an injected clock: a row lives 4.0 s without a lookup
+    monkeypatch.setenv(ENV_VAR, "auto")
     times = [0.0] + [0.7 * s + (1.9 if s > 6 else 0.0) for s in range(1, STEPS + 1)]
     now = {"t": 0.0}
     ttl = TTLOptions(seconds=4.0, sweep_buckets_per_step=99, clock=lambda: now["t"])
     options = replace(_options(policy, 1, 1, None), ttl=ttl)
-    table, ref = KVTable("t", 3, options), Reference(options, times)
+    group = KVTableGroup(["t"], [options], dim=3) if grouped else None
+    assert not grouped or group.backend(torch.device("cpu")) == "native"
+    table = group.tables[0] if grouped else KVTable("t", 3, options)
+    ref = Reference(options, times)
     for s, batch in enumerate(_stream(7, 1), start=1):
         now["t"] = times[s]
-        table.lookup_train(batch[0])
+        if grouped:
+            group.lookup_train(batch[0], torch.zeros_like(batch[0]))
+        else:
+            table.lookup_train(batch[0])
         ref.step(batch[0])
         assert set(table.export()["ids"].tolist()) == ref.held(), f"step {s}"
     assert ref.freed > 0 and table.metrics()["ttl_evictions"] == ref.freed
