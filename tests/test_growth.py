@@ -225,3 +225,37 @@ def test_initial_capacity_above_what_a_budget_holds_is_refused():
     options = KVTableOptions(memory_budget_bytes=10_000, initial_capacity=500)
     with pytest.raises(ValueError, match="initial_capacity=500 is above"):
         KVTable("t", 4, options)
+
+
+def test_checkpoint_round_trip_grows_the_loading_table(tmp_path):
+    """A grown collection saved by ``checkpoint.save`` loads into one that starts
+    small again (it grows to fit), which then trains on as the fixed twin does."""
+    from torchrec_kvemb import checkpoint
+
+    a = KVTableOptions(capacity=250, initial_capacity=5, eviction=EvictionPolicy.LFU)
+    b = KVTableOptions(capacity=130, initial_capacity=40, admission_threshold=2)
+    grown = _collection(a, b, EmbOptimType.ADAM)
+    tables = grown.kv_tables()
+    fixed = _collection(_twin(a, tables["a"]), _twin(b, tables["b"]), EmbOptimType.ADAM)
+    batches = list(_batches(steps=7))
+    grad = None
+    for kjt in batches[:4]:
+        for model in (grown, fixed):
+            out = model(kjt).values()
+            grad = torch.sin(torch.arange(out.numel(), dtype=torch.float32)).view_as(out)
+            out.backward(grad)
+    checkpoint.save(grown, tmp_path / "ckpt")
+    loaded = _collection(a, b, EmbOptimType.ADAM)
+    assert loaded.table("a").capacity < tables["a"].capacity
+    checkpoint.load(loaded, tmp_path / "ckpt")
+    for name, table in loaded.kv_tables().items():
+        _same_rows(table.export(), tables[name].export(), f"loaded table {name}")
+        assert table.capacity <= table.max_capacity
+    for step, kjt in enumerate(batches[4:]):
+        out_l, out_f = loaded(kjt).values(), fixed(kjt).values()
+        torch.testing.assert_close(out_l, out_f, atol=1e-6, rtol=1e-6, msg=f"step {step}")
+        grad = torch.sin(torch.arange(out_f.numel(), dtype=torch.float32)).view_as(out_f)
+        out_l.backward(grad)
+        out_f.backward(grad)
+    for name, table in fixed.kv_tables().items():
+        _same_rows(loaded.table(name).export(), table.export(), f"trained on, table {name}")

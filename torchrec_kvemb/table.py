@@ -462,16 +462,28 @@ class KVTable:
             new = new[seen + counts[absent] >= self.options.admission_threshold]
         if new.numel() == 0:
             return self.capacity
-        buckets = target = self.index.num_buckets
+        return self._rows_holding(new, stored=True)
+
+    def fit(self, ids: torch.Tensor) -> None:
+        """Grow the table so that unique ``ids`` alone (a content that replaces the
+        table's, as a checkpoint load stages it) would fit its buckets, up to
+        ``max_capacity``; the content it holds stays (rehashed)."""
+        if self.capacity < self.max_capacity and ids.numel():
+            rows = self._rows_holding(ids.to(self.device), stored=False)
+            if rows != self.capacity:
+                self.grow(rows)
+
+    def _rows_holding(self, new: torch.Tensor, stored: bool) -> int:
+        """The least capacity (the current one doubled as often as needed, at most
+        ``max_capacity``) whose buckets hold ``new`` ids, with the stored ids when
+        ``stored``, without overflowing."""
+        target = self.index.num_buckets
         most = self.max_capacity // WAYS
-        load = (self.index.keys >= 0).sum(1)
-        stored = None
+        held = self.index.ids_at(self.index.live_slots()) if stored else new[:0]
         while target < most:
-            if target != buckets:
-                if stored is None:
-                    stored = self.index.ids_at(self.index.live_slots())
-                load = torch.bincount(dispatch.index_bucket(stored, target), minlength=target)
-            load = load + torch.bincount(dispatch.index_bucket(new, target), minlength=target)
+            load = torch.bincount(dispatch.index_bucket(new, target), minlength=target)
+            if held.numel():
+                load += torch.bincount(dispatch.index_bucket(held, target), minlength=target)
             if int(load.max()) <= WAYS:
                 break
             target *= 2

@@ -72,6 +72,10 @@ class TablePlacement:
     _placed: dict[str, int] = field(default_factory=dict)
     _plan_lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def __post_init__(self) -> None:
+        # a growing table grows to hold the new content first (on the loading thread)
+        self.table.fit(self.ids if self.keep is None else self.ids[self.keep])
+
     @property
     def planned(self) -> bool:
         return self.index is not None
