@@ -12,6 +12,9 @@ Runs, in turn, each benchmark module's ``main``:
 * ``ssd``: a tenth of the ids in memory with the SSD tier vs all in memory
   (``benchmarks.ssd_tier``; and for 4 such tables, each system timed on its own:
   ``--tables 4 --sequential``);
+* ``host``: a tenth of the ids in the table over a host-memory tier vs all in
+  memory, and the same over a bounded host tier over an SSD tier
+  (``benchmarks.host_tier``);
 * ``growth``: the growth phase of tables that start at 1/64 of their capacity vs
   tables built at capacity, same batches, and the memory at the end
   (``benchmarks.growth``);
@@ -56,7 +59,7 @@ from benchmarks.common import format_ratio, format_table, machine_summary, markd
 
 #: Tables of the SSD tier's several-table figure (``ssd_tier --tables 4 --sequential``).
 SSD_TABLES = 4
-BENCHMARKS = ("ebc", "ec", "precision", "dist", "ssd", "growth", "checkpoint", "soak")
+BENCHMARKS = ("ebc", "ec", "precision", "dist", "ssd", "host", "growth", "checkpoint", "soak")
 RESULTS_FILE = "benchmark-results.md"
 GPU_RESULTS_FILE = "benchmark-results-gpu.md"
 HEADERS = ("benchmark", "ratio", "KV", "baseline", "value", "target", "")
@@ -220,6 +223,21 @@ def run_checkpoint(quick: bool) -> tuple[list[Row], object]:
     return rows, result
 
 
+def run_host(quick: bool) -> tuple[list[Row], object]:
+    from benchmarks import host_tier
+
+    result = host_tier.main(["--quick"] if quick else [])
+    rates = {r.system: r.ids_per_s / 1e6 for r in result.train}
+    full = rates[host_tier.FULL]
+    rows = [
+        Row("host", f"{host_tier.HOST} / {host_tier.FULL} train", rates[host_tier.HOST], full,
+            "M ids/s", host_tier.TARGET),
+        Row("host", f"{host_tier.HOST_SSD} / {host_tier.FULL} train", rates[host_tier.HOST_SSD],
+            full, "M ids/s", None),
+    ]  # fmt: skip
+    return rows, result
+
+
 def run_growth(quick: bool) -> tuple[list[Row], object]:
     from benchmarks import growth
 
@@ -278,6 +296,7 @@ RUNNERS: dict[str, Callable[[bool], tuple[list[Row], object]]] = {
     "precision": run_precision,
     "dist": run_dist,
     "ssd": run_ssd,
+    "host": run_host,
     "growth": run_growth,
     "checkpoint": run_checkpoint,
     "soak": run_soak,

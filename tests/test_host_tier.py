@@ -458,3 +458,16 @@ def test_sigkill_during_a_demotion_loses_nothing_of_the_checkpoint(tmp_path, mon
         _assert_rows_equal(model.table(name).export(), saved[name], f"after the kill: {name}")
         assert model.table(name).metrics()["ssd_corrupt"] == 0
         model.table(name).close()
+
+
+# -------------------------------------------------------------------- benchmark
+def test_host_tier_benchmark_runs(tmp_path):
+    from benchmarks import host_tier
+
+    out = tmp_path / "host.md"
+    result = host_tier.main(["--quick", "--dir", str(tmp_path), "--out", str(out)])
+    assert {r.system for r in result.train} == {host_tier.FULL, host_tier.HOST, host_tier.HOST_SSD}
+    assert all(r.ids_per_s > 0 for r in result.train)
+    assert result.tiers[host_tier.HOST]["host_rows"] > 0
+    assert result.tiers[host_tier.HOST_SSD]["ssd_rows"] > 0
+    assert f"{host_tier.HOST} / {host_tier.FULL}" in out.read_text()
