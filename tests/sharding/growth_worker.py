@@ -1,0 +1,86 @@
+"""Sharded tables that grow against the unsharded collection built at capacity,
+one torchrun job.
+
+Run by ``tests/test_growth.py``::
+
+    torchrun --nproc_per_node 2 -m tests.sharding.growth_worker RESULT.json   # repo root
+
+``dist_worker``'s two KV tables (an LFU table with admission, an LRU one) with
+``initial_capacity`` at 1/64 of their capacity, sharded row-wise and table-wise
+by a constrained stock planner: every shard starts at its share of the initial
+capacity and grows on its own, so outputs at every step and, at the end, every
+id's row, score and optimizer state equal those of the unsharded collection
+built at capacity (``dist_worker``'s options, no growth). At the end each shard
+is grown to its maximum (its content rehashed), whose capacity
+``compare_tables`` checks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+
+import torch.distributed as dist
+from torchrec import EmbeddingBagCollection
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import ParameterConstraints
+
+from tests.sharding import dist_worker as base
+from tests.torchrun_jobs import Tally, gather, gloo_job, run_scenarios
+from torchrec_kvemb import KVEmbeddingBagCollection, KVEmbeddingBagCollectionSharder
+
+STEPS = 6
+OPTIONS = {
+    name: replace(options, initial_capacity=options.capacity // 64)
+    for name, options in base.OPTIONS.items()
+}
+
+
+def growth_scenario(sharding: str, fused: dict):
+    def run() -> dict:
+        configs = base.kv_configs(2**40)
+        sharder = KVEmbeddingBagCollectionSharder(OPTIONS, fused_params=fused)
+        model = base.EBCModel(EmbeddingBagCollection(configs, device=base.META))
+        constraints = {name: ParameterConstraints(sharding_types=[sharding]) for name in OPTIONS}
+        plan = base.planned(model, [sharder], constraints)
+        dmp = DistributedModelParallel(model, device=base.CPU, plan=plan, sharders=[sharder])
+        sharded = dmp.module.ebc
+        ref = KVEmbeddingBagCollection(configs, base.OPTIONS, fused_params=fused)
+        tally = Tally(base.TOL)
+        local = sharded.kv_tables()
+        tally.check("shards start small", all(t.capacity < t.max_capacity for t in local.values()))
+        keys = ["u1", "u2", "i"]
+        pools = base.id_pools(2**62)
+        dims = {"u1": 8, "u2": 8, "i": 4, "sa": 4, "sb": 8}
+        for step in range(STEPS):
+            batch = base.global_batch(step, dist.get_world_size(), pools, dims)
+            base.train_step(dmp, ref, batch, keys, False, tally)
+        parts = gather({n: t.metrics()["growths"] for n, t in local.items()})
+        for table in local.values():  # to its maximum, which compare_tables checks
+            table.grow(table.max_capacity)
+        base.compare_tables(tally, sharded, ref, {n: sharding for n in OPTIONS})
+        for name in OPTIONS:
+            grown = sum(p.get(name, 0) for p in parts)
+            tally.check(f"{name} shards grew", grown > 0)
+        result = tally.result()
+        result["growths"] = parts
+        return result
+
+    return run
+
+
+SCENARIOS = {
+    "growth_row_wise": growth_scenario(base.RW, base.ADAGRAD),
+    "growth_table_wise": growth_scenario(base.TW, base.SGD),
+}
+
+
+def main() -> None:
+    with gloo_job():
+        run_scenarios(sys.argv[1], SCENARIOS)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
