@@ -22,7 +22,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tests.torchrun_jobs import read_result, run_job, torchrun_command
-from torchrec_kvemb import EvictionPolicy, KVEmbeddingBagCollection, KVTableOptions
+from torchrec_kvemb import EvictionPolicy, KVEmbeddingBagCollection, KVTableOptions, checkpoint
 from torchrec_kvemb.backend import ENV_VAR
 from torchrec_kvemb.group import KVTableGroup
 from torchrec_kvemb.options import WAYS, SSDOptions, TTLOptions
@@ -276,6 +276,32 @@ def test_a_loaded_table_of_another_policy_counts_its_rows_seen_at_the_load():
     loaded.lookup_train(torch.tensor([1]))  # step 8: every loaded row but 1's expires
     assert set(loaded.export()["ids"].tolist()) == {1}
     assert loaded.metrics()["ttl_evictions"] == len(held - {1})
+
+
+@pytest.mark.parametrize("target", ["fresh", "trained"])
+def test_a_checkpoint_load_counts_an_lfu_tables_rows_seen_at_the_restored_step(tmp_path, target):
+    # checkpoint.load places rows without load_rows; a trained target holds last steps
+    # above the restored step, a fresh one zeros: both must give way to the restored step
+    source, loaded = _ebc(EvictionPolicy.LFU), _ebc(EvictionPolicy.LFU)
+    stream = [b[0] for b in _stream(17, 1)]
+    for ids in stream[:4]:
+        source(_kjt(ids))
+    checkpoint.save(source, tmp_path / "ckpt")
+    if target == "trained":
+        for ids in stream[4:11]:
+            loaded(_kjt(ids))
+    checkpoint.load(loaded, tmp_path / "ckpt")
+    table = loaded.table("t")
+    held = set(table.export()["ids"].tolist())
+    assert held == set(source.table("t").export()["ids"].tolist()) and table.step == 4
+    before = table.metrics()["ttl_evictions"]
+    probe = torch.tensor([stream[0][0].item()])
+    loaded(_kjt(probe))  # steps 5, 6: nothing is 3 steps old
+    loaded(_kjt(probe))
+    assert set(table.export()["ids"].tolist()) == held
+    loaded(_kjt(probe))  # step 7: every restored row but the probe's expires
+    assert set(table.export()["ids"].tolist()) == set(probe.tolist())
+    assert table.metrics()["ttl_evictions"] - before == len(held) - 1
 
 
 @pytest.mark.parametrize(

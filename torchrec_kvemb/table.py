@@ -722,6 +722,8 @@ class KVTable:
         if self.counter is not None:
             self.counter.clear()
             self.counts.zero_()
+        if self.ttl is not None:
+            self.ttl.cleared()
 
     def load_rows(
         self,

@@ -63,13 +63,16 @@ class TableTTL:
 
         ttl = table.ttl                       # built by KVTable for options.ttl
         ttl.last_seen_of(slots)               # last training step of rows at slots
-        ttl.expired_slots()                   # every row past its TTL now (O(table))
+        ttl.sweep()                           # what a training lookup runs after it
     """
 
     def __init__(self, table: KVTable) -> None:
         self.table = table
         self.options: TTLOptions = table.options.ttl
         self._last_seen: torch.Tensor | None = None
+        #: The table was cleared (a load follows): every entry takes the restored step
+        #: before it is next read (``settle``).
+        self._loaded = False
         #: The next bucket the sweep reads.
         self.cursor = 0
         #: ``(step, time)`` of recent steps of a wall-time TTL (oldest first).
@@ -99,7 +102,22 @@ class TableTTL:
 
     def last_seen_of(self, slots: torch.Tensor) -> torch.Tensor:
         """The last training step of the rows at ``slots``."""
+        self.settle(0)
         return self.last_seen.view(-1).index_select(0, slots)
+
+    def cleared(self) -> None:
+        """The table was cleared (``KVTable.clear``: a load replaces its content, by
+        ``load_rows`` or by a checkpoint's placement): its rows will count as seen at
+        the restored step."""
+        self._loaded = self.keeps_array
+
+    def settle(self, lookups: int) -> None:
+        """After a load, every entry takes the restored step: the table's step less
+        the ``lookups`` training lookups since (no host sync)."""
+        if self._loaded:
+            self._loaded = False
+            array = self.last_seen.view(-1)
+            array.copy_((self.table.clock[0] - lookups).expand(array.shape))
 
     def mark(self, slots: torch.Tensor) -> None:
         """The rows at ``slots`` (local; -1: none) are seen at the current step.
@@ -109,6 +127,7 @@ class TableTTL:
         write nothing larger into slot 0 (no host sync to leave them out)."""
         if not self.keeps_array or slots.numel() == 0:
             return
+        self.settle(0)
         valid = slots >= 0
         steps = torch.where(valid, self.table.clock[0], 0)
         self.last_seen.view(-1).scatter_reduce_(0, slots.clamp(min=0), steps, reduce="amax")
@@ -116,6 +135,7 @@ class TableTTL:
     def mark_all(self) -> None:
         """Every row is seen at the current step (after a load: rows keep their last
         steps only where the scores are them, docs/kv-table.md)."""
+        self._loaded = False
         if self.keeps_array and self.table.device.type != "meta":
             self.last_seen.fill_(self.table.step)
 
@@ -123,6 +143,7 @@ class TableTTL:
     def after_lookup(self, slots: torch.Tensor) -> None:
         """A training lookup ended: mark its rows (``slots``, local, -1: none), then
         sweep."""
+        self.settle(1)
         self.mark(slots)
         self.sweep()
 
@@ -181,20 +202,6 @@ class TableTTL:
         else:
             self.table.count(TTL_EVICTIONS, int(freed))
 
-    def expired_slots(self) -> torch.Tensor:
-        """Slots of every row past its TTL now (the whole table; a wall-time TTL
-        reads its recorded steps without recording one)."""
-        if self.options.steps is not None:
-            cutoff = self.table.step - self.options.steps
-        else:
-            horizon = float(self.options.clock()) - self.options.wall_seconds
-            old = [s for s, t in self.times if t <= horizon]
-            if not old:
-                return torch.empty(0, dtype=torch.int64, device=self.table.device)
-            cutoff = old[-1]
-        expired = (self.table.index.keys >= 0) & (self.last_seen <= cutoff)
-        return expired.view(-1).nonzero().squeeze(1)
-
 
 class GroupTTL:
     """The TTL of a group's tables (``KVTableGroup``): after the group's lookup, each
@@ -224,6 +231,7 @@ class GroupTTL:
         """The group's training lookup gave global ``slots`` (-1: no row) to ids of
         ``table_idx`` (tables at ``row_offsets``): mark, then sweep."""
         for t, table in self.ttl_tables:
+            table.ttl.settle(1)
             if table.ttl.keeps_array:
                 mine = (table_idx == t) & (slots >= 0)
                 table.ttl.mark(torch.where(mine, slots - row_offsets[t], -1))
