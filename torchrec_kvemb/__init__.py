@@ -12,6 +12,7 @@ from torchrec_kvemb.options import (
     Initializer,
     KVTableOptions,
     SSDOptions,
+    TTLOptions,
 )
 from torchrec_kvemb.sharding import KVEmbeddingBagCollectionSharder, KVEmbeddingCollectionSharder
 from torchrec_kvemb.table import KVTable
@@ -34,4 +35,5 @@ __all__ = [
     "KVTableOptions",
     "SSDOptions",
     "TieredKVTable",
+    "TTLOptions",
 ]
