@@ -357,23 +357,28 @@ class HostTier(LowerTier):
             stored, slots, _ = self._index.insert(ids, tier_scores, keep)
             old = self._index.records_at(slots)
             old = old[old >= 0]  # the records of the rows those slots held: evicted
-        rejected = (~stored).nonzero().squeeze(1)
-        down_ids = torch.cat([self._ids[old], ids[rejected]])
-        down_scores = torch.cat([self._scores[old], memory_scores[rejected]])
-        down_rows = torch.cat([self._rows[old], rows[rejected]])
-        self._release(old)
+        down = None
+        if slots.numel() < ids.numel() or old.numel():  # rows leave: evicted or not taken
+            rejected = (~stored).nonzero().squeeze(1)
+            down = (
+                torch.cat([self._ids[old], ids[rejected]]),
+                torch.cat([self._scores[old], memory_scores[rejected]]),
+                torch.cat([self._rows[old], rows[rejected]]),
+            )
+            self._release(old)
+            kept = stored.nonzero().squeeze(1)
+            ids, memory_scores, rows = ids[kept], memory_scores[kept], rows[kept]
         records = self._alloc(slots.numel())
-        kept = stored.nonzero().squeeze(1)
-        self._rows.index_copy_(0, records, rows[kept])
-        self._ids[records] = ids[kept]
-        self._scores[records] = memory_scores[kept]
+        self._rows.index_copy_(0, records, rows)
+        self._ids[records] = ids
+        self._scores[records] = memory_scores
         self._index.set_records(slots, records)
         self.counters["host_writes"] += records.numel()
         self.counters["host_bytes_written"] += records.numel() * 4 * rows.shape[1]
-        if down_ids.numel():
-            self.counters["host_evictions"] += down_ids.numel()
+        if down is not None:
+            self.counters["host_evictions"] += down[0].numel()
             if self.lower is not None:
-                self.lower.put(down_ids, down_scores, self._lower_scores(down_scores), down_rows)
+                self.lower.put(down[0], down[1], self._lower_scores(down[1]), down[2])
 
     def remove(self, slots: torch.Tensor) -> None:
         """Take the ids at ``slots`` out of this tier or the one below."""
