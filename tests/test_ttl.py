@@ -26,6 +26,7 @@ from torchrec_kvemb import EvictionPolicy, KVEmbeddingBagCollection, KVTableOpti
 from torchrec_kvemb.backend import ENV_VAR
 from torchrec_kvemb.group import KVTableGroup
 from torchrec_kvemb.options import WAYS, SSDOptions, TTLOptions
+from torchrec_kvemb.sharding.planner import kv_table_bytes
 from torchrec_kvemb.state_dict.rows import TableRows, restore_table, table_state
 from torchrec_kvemb.table import KVTable
 
@@ -336,7 +337,7 @@ def test_ttl_with_a_lower_tier_or_a_growing_lfu_table_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("policy", [EvictionPolicy.LRU, EvictionPolicy.LFU], ids=lambda p: p.name)
-def test_a_memory_budget_holds_the_last_steps_too(policy):
+def test_a_memory_budget_and_the_planner_hold_the_last_steps_too(policy):
     budget = 10_007
     ttl = TTLOptions(steps=3)
     table = KVTable("t", 5, KVTableOptions(memory_budget_bytes=budget, eviction=policy, ttl=ttl))
@@ -345,7 +346,8 @@ def test_a_memory_budget_holds_the_last_steps_too(policy):
     if policy != EvictionPolicy.LRU:  # an LRU table's scores are its last steps
         arrays.append(table.ttl.last_seen)
     allocated = sum(a.numel() * a.element_size() for a in arrays)
-    assert allocated == table.memory_bytes() <= budget
+    assert allocated == table.memory_bytes() == kv_table_bytes(table.options, 5, table.optim)
+    assert allocated <= budget
     per_row = 5 * 4 + 16 + (8 if policy != EvictionPolicy.LRU else 0)
     assert table.capacity == budget // per_row // WAYS * WAYS
 
