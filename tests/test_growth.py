@@ -272,3 +272,23 @@ def test_sharded_tables_grow_as_the_unsharded_one(tmp_path):
     failed = {n: r for n, r in result["scenarios"].items() if not r["passed"]}
     assert not failed, json.dumps(failed, indent=1)
     assert job.returncode == 0, job.stderr[-6000:]
+
+
+def test_a_grown_collection_quantizes_for_inference():
+    """Its read-only copy holds every id at the table's capacity now (no growth)."""
+    from torchrec.inference.modules import quantize_inference_model
+
+    a = KVTableOptions(capacity=250, initial_capacity=5)
+    b = KVTableOptions(capacity=130, initial_capacity=40, eviction=EvictionPolicy.NONE)
+    model = torch.nn.Module()
+    model.ebc = _collection(a, b, EmbOptimType.EXACT_SGD)
+    for kjt in _batches(steps=1):
+        model.ebc(kjt).values().sum().backward()
+    rows = {n: t.export() for n, t in model.ebc.kv_tables().items()}
+    assert model.ebc.table("a").capacity < model.ebc.table("a").max_capacity
+    quantize_inference_model(model, quantization_dtype=torch.float16)
+    for name, table in model.ebc.kv_tables().items():
+        assert table.capacity == table.max_capacity
+        copy = table.export()
+        assert torch.equal(copy["ids"], rows[name]["ids"]), name
+        assert torch.equal(copy["weights"], rows[name]["weights"].to(torch.float16)), name

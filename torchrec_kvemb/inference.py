@@ -70,7 +70,7 @@ def requested_dtypes(module: nn.Module) -> dict[str, torch.dtype]:
 
 def _inference_options(options: KVTableOptions, capacity: int) -> KVTableOptions:
     """A table's options for its read-only copy: every row in memory (no SSD tier),
-    none evicted or waiting for admission."""
+    none evicted or waiting for admission, at the table's capacity now (no growth)."""
     return replace(
         options,
         capacity=capacity,
@@ -79,6 +79,7 @@ def _inference_options(options: KVTableOptions, capacity: int) -> KVTableOptions
         admission_threshold=1,
         admission_counter_capacity=None,
         ssd=None,
+        initial_capacity=None,
     )
 
 
