@@ -227,6 +227,7 @@ def describe(result: BenchResult) -> str:
         f"{result.memory_rows:,} in memory "
         f"({100 * result.memory_rows / result.distinct_ids:.0f}%); median of "
         f"{c.repeats} blocks x {c.steps} steps"
+        + (f"; {c.threads} torch thread(s) while timed" if c.threads else "")
     )
 
 

@@ -34,7 +34,7 @@ and, what does not fit there, into this tier (``adopt``).
 
 **Transfers.** Per table and step the rows cross in one gather (``fetch``: one
 ``index_select`` of the records) and one scatter (``put``: one ``index_copy_``)
-per direction.
+per direction (the native row scatter on the CPU).
 
 Example::
 
@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from torchrec_kvemb import dispatch
 from torchrec_kvemb.options import WAYS, EvictionPolicy, HostTierOptions
 from torchrec_kvemb.slot_index import INDEX_BYTES_PER_SLOT, INITIAL_BUCKETS, SlotIndex
 from torchrec_kvemb.tier import TIER_COUNTERS, LowerTier, RestoredRows
@@ -285,8 +286,11 @@ class HostTier(LowerTier):
 
     def _gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         records = self._index.records_at(slots)
-        rows = self._empty_rows(records.numel())
-        torch.index_select(self._rows, 0, records, out=rows)
+        if self.pinned:
+            rows = self._empty_rows(records.numel())
+            torch.index_select(self._rows, 0, records, out=rows)
+        else:
+            rows = self._rows.index_select(0, records)
         self.counters["host_reads"] += records.numel()
         self.counters["host_bytes_read"] += rows.numel() * rows.element_size()
         ok = torch.ones(records.numel(), dtype=torch.bool)
@@ -369,7 +373,7 @@ class HostTier(LowerTier):
             kept = stored.nonzero().squeeze(1)
             ids, memory_scores, rows = ids[kept], memory_scores[kept], rows[kept]
         records = self._alloc(slots.numel())
-        self._rows.index_copy_(0, records, rows)
+        dispatch.scatter_rows(self._rows, records, rows)
         self._ids[records] = ids
         self._scores[records] = memory_scores
         self._index.set_records(slots, records)
