@@ -10,6 +10,7 @@ exports them, the dropped count the rest.
 from __future__ import annotations
 
 import collections
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,8 +19,12 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvemb import EvictionPolicy, KVEmbeddingBagCollection, KVTableOptions
+from torchrec_kvemb.backend import ENV_VAR
+from torchrec_kvemb.group import KVTableGroup
 from torchrec_kvemb.options import WAYS, SSDOptions, TTLOptions
 from torchrec_kvemb.prune import Pruned, prune_export, prune_table, prune_tables
+from torchrec_kvemb.sharding.planner import kv_table_bytes
+from torchrec_kvemb.state_dict.rows import TableRows, restore_table
 from torchrec_kvemb.table import KVTable
 
 STEPS = 9
@@ -181,3 +186,116 @@ def test_rules_a_table_cannot_read_are_refused():
         prune_tables(_ebc(), min_count=2, tables=["nope"])
     with pytest.raises(TypeError, match="unsharded KV collection"):
         prune_tables(torch.nn.Linear(2, 2), min_count=2)
+
+
+# ------------------------------------------------------------------ sightings
+class Counted:
+    """Each held id's sightings since it got its row: a batch adds its occurrences to
+    an id held before and after it, and starts a new row's count at them."""
+
+    def __init__(self) -> None:
+        self.count: dict[int, int] = {}
+
+    def step(self, ids: torch.Tensor, held_before: set[int], held_after: set[int]) -> None:
+        occurrences = collections.Counter(ids.tolist())
+        self.count = {i: c for i, c in self.count.items() if i in held_after}
+        for i, n in occurrences.items():
+            if i in held_after:
+                self.count[i] = (self.count[i] if i in held_before else 0) + n
+
+
+def _sightings(table: KVTable) -> dict[int, int]:
+    ids, slots = table.export_order()
+    return dict(zip(ids.tolist(), table.ttl.sightings_of(slots).tolist(), strict=True))
+
+
+#: (policy, admission threshold) cases, each on the torch path and the native kernels;
+#: the Triton interpreter (slow) runs the first.
+COUNT_CASES = {
+    "lru": (EvictionPolicy.LRU, 1),
+    "none": (EvictionPolicy.NONE, 1),
+    "custom": (EvictionPolicy.CUSTOM_SCORE, 1),
+    "lru_admit_2": (EvictionPolicy.LRU, 2),
+}
+COUNT_RUNS = [(b, c) for b in ("torch", "native") for c in COUNT_CASES] + [("triton", "lru")]
+
+
+@pytest.mark.parametrize(("backend", "case"), COUNT_RUNS, ids=[f"{b}-{c}" for b, c in COUNT_RUNS])
+def test_count_sightings_counts_each_rows_occurrences_since_it_was_stored(
+    monkeypatch, backend, case
+):
+    # small tables: rows are evicted (LRU, custom) or fail (NONE) and freed by a TTL,
+    # so slots change hands and counts start again; with admission, a row's count
+    # starts at the batch that admits it
+    policy, admission = COUNT_CASES[case]
+    monkeypatch.setenv(ENV_VAR, {"native": "auto"}.get(backend, backend))
+    options = KVTableOptions(
+        capacity=2 * WAYS,
+        eviction=policy,
+        count_sightings=True,
+        ttl=TTLOptions(steps=3, sweep_buckets_per_step=1),
+        admission_threshold=admission,
+    )
+    group = KVTableGroup(["a", "b"], [options, options], dim=5)
+    assert group.backend(torch.device("cpu")) == backend
+    refs = [Counted(), Counted()]
+    for a, b in zip(_stream(6), _stream(7), strict=True):
+        ids = torch.cat([a, b + 1])
+        table_idx = torch.cat([torch.zeros_like(a), torch.ones_like(b)])
+        before = [set(t.export()["ids"].tolist()) for t in group.tables]
+        scores = ids % 1_013 if policy == EvictionPolicy.CUSTOM_SCORE else None
+        group.lookup_train(ids, table_idx, scores)
+        for t, (table, part) in enumerate(zip(group.tables, (a, b + 1), strict=True)):
+            refs[t].step(part, before[t], set(table.export()["ids"].tolist()))
+            assert _sightings(table) == refs[t].count, f"table {t}"
+    stats = [t.metrics() for t in group.tables]
+    assert sum(m["ttl_evictions"] for m in stats) > 0
+    full = sum(m["evictions"] + m["insert_failures"] for m in stats)
+    assert full > 0 if admission == 1 else sum(m["admission_rejects"] for m in stats) > 0
+
+
+def test_an_lru_table_counting_sightings_prunes_by_min_count():
+    options = KVTableOptions(capacity=12 * WAYS, count_sightings=True)
+    table, seen = _trained(options)
+    table.insert(torch.tensor([5]), torch.ones(1, 5))  # a new row: one sighting
+    seen.count[5] += 1
+    seen.last[5] = seen.step
+    _check(table, seen, 3, None)
+    _check(table, seen, 2, 4)
+
+
+def test_a_load_starts_the_counts_again():
+    options = KVTableOptions(capacity=12 * WAYS, count_sightings=True)
+    table, _ = _trained(options)
+    rows = table.export()
+    restore_table(table, TableRows(rows["ids"], rows["weights"], rows["scores"]))
+    assert set(_sightings(table).values()) == {0}
+    ids = rows["ids"][:3]
+    table.lookup_train(torch.cat([ids, ids[:1]]))
+    counts = _sightings(table)
+    assert [counts[i] for i in ids.tolist()] == [2, 1, 1]
+    assert sum(counts.values()) == 4
+
+
+@pytest.mark.parametrize("ttl", [None, TTLOptions(steps=4)], ids=["counts", "counts_and_ttl"])
+def test_memory_budget_and_planner_hold_the_counts(ttl):
+    budget = 20_011
+    options = KVTableOptions(
+        memory_budget_bytes=budget, eviction=EvictionPolicy.NONE, count_sightings=True, ttl=ttl
+    )
+    table = KVTable("t", 5, options)
+    table.lookup_train(torch.tensor([3, 8]))
+    arrays = [table.weights, table.state, table.keys, table.scores, *table.ttl.arrays()]
+    allocated = sum(a.numel() * a.element_size() for a in arrays)
+    assert allocated == table.memory_bytes() == kv_table_bytes(options, 5, table.optim) <= budget
+    per_row = 5 * 4 + 16 + 16 + (8 if ttl else 0)
+    assert table.capacity == budget // per_row // WAYS * WAYS
+    lfu = KVTable("f", 5, replace(options, eviction=EvictionPolicy.LFU, ttl=None))
+    assert lfu.ttl is None  # an LFU table's scores count its sightings
+
+
+def test_count_sightings_with_a_lower_tier_or_growth_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="count_sightings with a lower tier or initial_capacity"):
+        KVTableOptions(capacity=64, count_sightings=True, ssd=SSDOptions(str(tmp_path)))
+    with pytest.raises(ValueError, match="count_sightings with a lower tier or initial_capacity"):
+        KVTableOptions(capacity=64, initial_capacity=16, count_sightings=True)

@@ -274,6 +274,11 @@ class KVTableOptions:
     #: Rows freed once not looked up for a while (``TTLOptions``); ``None``: rows
     #: leave only by capacity eviction.
     ttl: TTLOptions | None = None
+    #: Count each row's sightings (occurrences in training batches since it was
+    #: stored, or since a load) for pruning at publish by ``min_count``
+    #: (``torchrec_kvemb.prune``): 16 bytes a row. An LFU table's scores count
+    #: them already (nothing more is kept).
+    count_sightings: bool = False
 
     @property
     def tiered(self) -> bool:
@@ -281,6 +286,13 @@ class KVTableOptions:
         return self.ssd is not None or self.host_tier is not None
 
     def _check_ttl(self) -> None:
+        if self.count_sightings and self.eviction != EvictionPolicy.LFU:
+            if self.tiered or self.initial_capacity is not None:
+                raise ValueError(
+                    "KVTableOptions: count_sightings with a lower tier or initial_capacity "
+                    "is not supported (the counts stay with the table's own rows); use "
+                    "eviction=EvictionPolicy.LFU, whose scores count them"
+                )
         if self.ttl is None:
             return
         if not isinstance(self.ttl, TTLOptions):

@@ -11,7 +11,8 @@ The rules (both given: a row must pass both):
 
 * ``min_count=k``: rows seen at least ``k`` times in training. The sightings are
   an LFU table's scores (a training lookup adds an id's occurrences in the batch;
-  an insert adds one); other policies do not count them and are refused.
+  an insert adds one), or those a table built with ``count_sightings=True``
+  counts the same way (``torchrec_kvemb.ttl``); other tables are refused.
 * ``seen_within_steps=n``: rows looked up in one of the last ``n`` training
   steps (last step > step - n). The last steps are an LRU table's scores, or a
   TTL table's ``last_seen`` (``torchrec_kvemb.ttl``); others are refused.
@@ -62,48 +63,48 @@ def _check_rule(table: KVTable, min_count: int | None, seen_within_steps: int | 
             f"table {table.name!r}: seen_within_steps must be >= 1, got {seen_within_steps}"
         )
     policy = table.options.eviction
-    if min_count is not None and policy != EvictionPolicy.LFU:
+    stats = table.ttl
+    if min_count is not None and policy != EvictionPolicy.LFU and not (stats and stats.counting):
         raise ValueError(
-            f"table {table.name!r}: min_count needs each row's sightings, which only an LFU "
-            f"table counts (its scores); this table evicts by {policy.name}. Prune it by "
-            "seen_within_steps, or train it with eviction=EvictionPolicy.LFU"
+            f"table {table.name!r}: min_count needs each row's sightings, which an LFU "
+            f"table's scores count, or a table built with count_sightings=True; this "
+            f"{policy.name} table has neither. Prune it by seen_within_steps, or give it "
+            "KVTableOptions(count_sightings=True)"
         )
-    if seen_within_steps is not None and policy != EvictionPolicy.LRU and table.ttl is None:
-        raise ValueError(
-            f"table {table.name!r}: seen_within_steps needs each row's last training step, "
-            f"which an LRU table's scores are, or a TTL table keeps; this {policy.name} table "
-            "has neither. Prune it by min_count (LFU), or give it "
-            "KVTableOptions(ttl=TTLOptions(...))"
-        )
+    if seen_within_steps is not None and policy != EvictionPolicy.LRU:
+        if not (stats and stats.keeps_array):
+            raise ValueError(
+                f"table {table.name!r}: seen_within_steps needs each row's last training "
+                f"step, which an LRU table's scores are, or a TTL table keeps; this "
+                f"{policy.name} table has neither. Prune it by min_count, or give it "
+                "KVTableOptions(ttl=TTLOptions(...))"
+            )
 
 
-def _rows_and_last_steps(
-    table: KVTable,
-) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor | None]:
-    """``(rows, last steps, slots)``: ``export()``'s rows (memory and every tier), each
-    row's last training step (an LRU table's scores; for a table that is not LRU,
-    meaningful only where it keeps them, a TTL table), and the rows' memory slots
-    (None for a tiered table, whose rows may be in a lower tier)."""
-    if table.ttl is not None and table.ttl.keeps_array:  # never tiered (options.py)
-        ids, slots = table.export_order()
-        rows = {"ids": ids, **table.rows_of_slots(slots)}
-        return rows, table.ttl.last_seen_of(slots), slots
-    rows = table.export()
-    slots = table.index.probe(rows["ids"]) if not table.options.tiered else None
-    return rows, rows["scores"], slots
+def _rows(table: KVTable) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """``(rows, slots)``: ``export()``'s rows (memory and every tier) and their memory
+    slots (None for a tiered table, whose rows may be in a lower tier)."""
+    if table.options.tiered:
+        return table.export(), None
+    ids, slots = table.export_order()
+    return {"ids": ids, **table.rows_of_slots(slots)}, slots
 
 
 def _keep(
     table: KVTable,
     rows: dict[str, torch.Tensor],
-    last: torch.Tensor,
+    slots: torch.Tensor | None,
     min_count: int | None,
     seen_within_steps: int | None,
 ) -> torch.Tensor:
+    """Which rows pass the rule (checked by ``_check_rule``)."""
     keep = torch.ones_like(rows["ids"], dtype=torch.bool)
+    lfu, lru = (table.options.eviction == p for p in (EvictionPolicy.LFU, EvictionPolicy.LRU))
     if min_count is not None:
-        keep &= rows["scores"] >= min_count
+        counts = rows["scores"] if lfu else table.ttl.sightings_of(slots)
+        keep &= counts >= min_count
     if seen_within_steps is not None:
+        last = rows["scores"] if lru else table.ttl.last_seen_of(slots)
         keep &= last > table.step - seen_within_steps
     return keep
 
@@ -121,8 +122,8 @@ def prune_export(
         kept, dropped = prune_export(table, seen_within_steps=1000)
     """
     _check_rule(table, min_count, seen_within_steps)
-    rows, last, _ = _rows_and_last_steps(table)
-    keep = _keep(table, rows, last, min_count, seen_within_steps)
+    rows, slots = _rows(table)
+    keep = _keep(table, rows, slots, min_count, seen_within_steps)
     kept = {name: value[keep] for name, value in rows.items()}
     return PrunedRows(kept, int(keep.numel() - keep.sum()))
 
@@ -133,13 +134,15 @@ def prune_table(
     """Drop from ``table`` (every tier) the rows :func:`prune_export` leaves out; the
     kept rows keep their values, optimizer state, scores and last steps."""
     _check_rule(table, min_count, seen_within_steps)
-    rows, last, slots = _rows_and_last_steps(table)
-    keep = _keep(table, rows, last, min_count, seen_within_steps)
+    rows, slots = _rows(table)
+    keep = _keep(table, rows, slots, min_count, seen_within_steps)
     dropped = int(keep.numel() - keep.sum())
     if dropped == 0:
         return Pruned(keep.numel(), 0)
     if slots is not None:  # memory only: free the slots, nothing else moves
         table.index.remove(slots[~keep])
+        if table.ttl is not None:
+            table.ttl.forget(slots[~keep])
     else:  # a tiered table: its content replaced by the kept rows, in every tier
         names = table.optim.state_names()
         admission = table.admission_entries() if table.counter is not None else None

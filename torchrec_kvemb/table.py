@@ -33,7 +33,7 @@ from torchrec_kvemb.memory import bytes_per_row, memory_at, resolve_capacity, ta
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import WAYS, EvictionPolicy, KVTableOptions
 from torchrec_kvemb.tier import TIER_METRICS, LowerTier
-from torchrec_kvemb.ttl import TableTTL
+from torchrec_kvemb.ttl import TableTTL, has_row_stats
 from torchrec_kvemb.validation import KVInputError, check_ids, check_rows
 
 __all__ = ["KVTable", "TableStorage", "bytes_per_row", "resolve_capacity"]
@@ -179,8 +179,9 @@ class KVTable:
         self._metrics = dict.fromkeys(METRIC_NAMES, 0)
         #: Counters a grouped lookup adds on the device (``METRIC_NAMES`` order), or None.
         self.device_metrics: torch.Tensor | None = None
-        #: The rows' time to live (``options.ttl``, ``torchrec_kvemb.ttl``), or None.
-        self.ttl = TableTTL(self) if options.ttl is not None else None
+        #: The rows' time to live (``options.ttl``) and sightings (``options.count_sightings``;
+        #: ``torchrec_kvemb.ttl``), or None.
+        self.ttl = TableTTL(self) if has_row_stats(options) else None
 
     # ----------------------------------------------------------------- clocks
     @property
@@ -562,7 +563,7 @@ class KVTable:
         slots_u, hit_u, inserted_u, _, _ = self.compete(uniq, counts, values)
         self.init_rows_at(slots_u[inserted_u], uniq[inserted_u])
         if self.ttl is not None:
-            self.ttl.after_lookup(slots_u)
+            self.ttl.after_lookup(slots_u, counts)
         self.count_hits(ids.numel(), counts, hit_u)
         return slots_u[inverse]
 

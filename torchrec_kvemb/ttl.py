@@ -14,6 +14,12 @@ set it on every lookup); any other policy keeps ``last_seen``, one int64 per row
 Wall-time TTL: each training step's time is read from ``TTLOptions.clock`` when
 its lookup ends; the step of a row's last lookup then says its time.
 
+Sightings (``KVTableOptions(count_sightings=True)``, a table that is not LFU):
+each row's occurrences in training batches since it was stored, for pruning by
+``min_count`` (``torchrec_kvemb.prune``). Two int64 per row: the count, and the
+id it belongs to (a slot that changed hands since starts again at zero). The
+same object (``TableTTL``) keeps them, marked where the last steps are.
+
 Example::
 
     table = KVTable("t", 8, KVTableOptions(capacity=64, ttl=TTLOptions(steps=3)))
@@ -37,7 +43,14 @@ from torchrec_kvemb.options import WAYS, EvictionPolicy, KVTableOptions, TTLOpti
 #: A ``torchrec_kvemb.table.KVTable`` (not imported: the table imports this module).
 KVTable = Any
 
-__all__ = ["GroupTTL", "TableTTL", "ttl_bytes", "uses_last_seen"]
+__all__ = [
+    "GroupTTL",
+    "TableTTL",
+    "counts_sightings",
+    "has_row_stats",
+    "ttl_bytes",
+    "uses_last_seen",
+]
 
 #: The metric the sweep adds its freed rows to.
 TTL_EVICTIONS = "ttl_evictions"
@@ -50,14 +63,28 @@ def uses_last_seen(options: KVTableOptions) -> bool:
     return options.ttl is not None and options.eviction != EvictionPolicy.LRU
 
 
+def counts_sightings(options: KVTableOptions) -> bool:
+    """Whether a table of ``options`` keeps sighting counts of its own (asked for, and
+    not LFU, whose scores are them)."""
+    return options.count_sightings and options.eviction != EvictionPolicy.LFU
+
+
+def has_row_stats(options: KVTableOptions) -> bool:
+    """Whether a table of ``options`` has a ``TableTTL`` (a TTL, or sightings)."""
+    return options.ttl is not None or counts_sightings(options)
+
+
 def ttl_bytes(options: KVTableOptions, rows: int) -> int:
-    """Memory a table of ``rows`` rows holds for its TTL: 8 bytes a row of
-    ``last_seen`` where :func:`uses_last_seen`, else none."""
-    return 8 * rows if uses_last_seen(options) else 0
+    """Memory a table of ``rows`` rows holds for its TTL and sightings: 8 bytes a row
+    of ``last_seen`` where :func:`uses_last_seen`, 16 of count and owner where
+    :func:`counts_sightings`."""
+    per_row = (8 if uses_last_seen(options) else 0) + (16 if counts_sightings(options) else 0)
+    return per_row * rows
 
 
 class TableTTL:
-    """One table's TTL: its rows' last steps, the sweep's cursor, the steps' times.
+    """One table's TTL: its rows' last steps, the sweep's cursor, the steps' times;
+    and its rows' sightings where it counts them (``counts_sightings``).
 
     Example::
 
@@ -68,8 +95,11 @@ class TableTTL:
 
     def __init__(self, table: KVTable) -> None:
         self.table = table
-        self.options: TTLOptions = table.options.ttl
+        #: The TTL (None: the table only counts sightings).
+        self.options: TTLOptions | None = table.options.ttl
         self._last_seen: torch.Tensor | None = None
+        #: ``(count, owner)`` per slot where sightings are counted (lazily made).
+        self._sightings: tuple[torch.Tensor, torch.Tensor] | None = None
         #: The table was cleared (a load follows): every entry takes the restored step
         #: before it is next read (``settle``).
         self._loaded = False
@@ -81,8 +111,14 @@ class TableTTL:
     # ------------------------------------------------------------- last seen
     @property
     def keeps_array(self) -> bool:
-        """Whether the rows' last steps are an array of their own (else the scores)."""
+        """Whether the rows' last steps are an array of their own (else the scores, or
+        none without a TTL)."""
         return uses_last_seen(self.table.options)
+
+    @property
+    def counting(self) -> bool:
+        """Whether the table counts its rows' sightings here."""
+        return counts_sightings(self.table.options)
 
     @property
     def bytes(self) -> int:
@@ -109,17 +145,71 @@ class TableTTL:
         """The table was cleared (``KVTable.clear``: a load replaces its content, by
         ``load_rows`` or by a checkpoint's placement): its rows will count as seen at
         the restored step."""
-        self._loaded = self.keeps_array
+        self._loaded = self.keeps_array or self.counting
 
     def settle(self, lookups: int) -> None:
         """After a load, every entry takes the restored step: the table's step less
         the ``lookups`` training lookups since (no host sync)."""
         if self._loaded:
             self._loaded = False
-            array = self.last_seen.view(-1)
-            array.copy_((self.table.clock[0] - lookups).expand(array.shape))
+            if self.keeps_array:
+                array = self.last_seen.view(-1)
+                array.copy_((self.table.clock[0] - lookups).expand(array.shape))
+            if self.counting:  # no row's count is known: each starts again
+                self._counts()[1].fill_(-1)
+
+    def arrays(self) -> list[torch.Tensor]:
+        """The arrays this object allocates (its share of ``memory_bytes``):
+        ``last_seen`` where kept, the counts and owners where counted."""
+        out = [self.last_seen.view(-1)] if self.keeps_array else []
+        return out + list(self._counts()) if self.counting else out
+
+    # ------------------------------------------------------------ sightings
+    def _counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._sightings is None:
+            n, device = self.table.capacity, self.table.device
+            count = torch.zeros(n, dtype=torch.int64, device=device)
+            self._sightings = (count, torch.full((n,), -1, dtype=torch.int64, device=device))
+        return self._sightings
+
+    def count(self, slots: torch.Tensor, occurrences: torch.Tensor | int = 1) -> None:
+        """Add ``occurrences`` sightings to the rows at ``slots`` (local; -1: none),
+        whose ids the index holds there; a slot whose row changed hands since its
+        last count starts at zero."""
+        if not self.counting or slots.numel() == 0:
+            return
+        self.settle(0)
+        count, owner = self._counts()
+        valid = slots >= 0
+        # why: ids without a row address a slot of the batch's own (its largest), and
+        # write what that slot's id writes (no host sync to leave them out)
+        at = torch.where(valid, slots, slots.max().clamp(min=0))
+        ids = self.table.index.keys.view(-1).index_select(0, at)
+        fresh = owner.index_select(0, at) != ids
+        count.index_put_((at,), torch.where(fresh, 0, count.index_select(0, at)))
+        owner.index_put_((at,), ids)
+        count.index_add_(0, at, torch.where(valid, occurrences, 0))
+
+    def forget(self, slots: torch.Tensor) -> None:
+        """The rows at ``slots`` were removed: an id stored there again counts anew."""
+        if self.counting:
+            self._counts()[1].index_fill_(0, slots, -1)
+
+    def sightings_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """The sightings of the rows at ``slots`` (0 for a row not seen since its slot
+        changed hands, or since a load)."""
+        self.settle(0)
+        count, owner = self._counts()
+        ids = self.table.index.keys.view(-1).index_select(0, slots)
+        return torch.where(owner.index_select(0, slots) == ids, count.index_select(0, slots), 0)
 
     def mark(self, slots: torch.Tensor) -> None:
+        """The rows at ``slots`` (local; -1: none) are seen once at the current step
+        (an insert)."""
+        self.count(slots)
+        self.mark_seen(slots)
+
+    def mark_seen(self, slots: torch.Tensor) -> None:
         """The rows at ``slots`` (local; -1: none) are seen at the current step.
 
         why a max: steps only grow between loads (which reset every entry), so the
@@ -133,18 +223,24 @@ class TableTTL:
         self.last_seen.view(-1).scatter_reduce_(0, slots.clamp(min=0), steps, reduce="amax")
 
     def mark_all(self) -> None:
-        """Every row is seen at the current step (after a load: rows keep their last
-        steps only where the scores are them, docs/kv-table.md)."""
+        """Every row is seen at the current step, and counts its sightings from now on
+        (after a load: rows keep their last steps and counts only where the scores
+        are them, docs/kv-table.md)."""
         self._loaded = False
-        if self.keeps_array and self.table.device.type != "meta":
+        if self.table.device.type == "meta":
+            return
+        if self.keeps_array:
             self.last_seen.fill_(self.table.step)
+        if self.counting:
+            self._counts()[1].fill_(-1)
 
     # ----------------------------------------------------------------- sweep
-    def after_lookup(self, slots: torch.Tensor) -> None:
-        """A training lookup ended: mark its rows (``slots``, local, -1: none), then
-        sweep."""
+    def after_lookup(self, slots: torch.Tensor, occurrences: torch.Tensor) -> None:
+        """A training lookup ended: its unique ids got ``slots`` (local, -1: none) and
+        occur ``occurrences`` times; mark and count their rows, then sweep."""
         self.settle(1)
-        self.mark(slots)
+        self.count(slots, occurrences)
+        self.mark_seen(slots)
         self.sweep()
 
     def buckets_per_step(self) -> int:
@@ -175,8 +271,9 @@ class TableTTL:
         return first_step if first_time <= horizon else None
 
     def sweep(self) -> None:
-        """Free the rows past their TTL in the next ``buckets_per_step`` buckets."""
-        if self.table.device.type == "meta":
+        """Free the rows past their TTL in the next ``buckets_per_step`` buckets (a
+        no-op without a TTL)."""
+        if self.options is None or self.table.device.type == "meta":
             return
         cutoff = self.cutoff()
         buckets = self.table.index.num_buckets
@@ -196,6 +293,8 @@ class TableTTL:
         expired = (keys >= 0) & (self.last_seen[lo:hi] <= cutoff)
         keys.masked_fill_(expired, -1)
         self.table.index.scores[lo:hi].masked_fill_(expired, 0)
+        if self.counting:  # the id may come back to the same slot: it starts again
+            self._counts()[1][lo * WAYS : hi * WAYS].masked_fill_(expired.view(-1), -1)
         freed = expired.sum()
         if self.table.device_metrics is not None:  # a group's counters: no host sync
             self.table.device_metrics[TTL_COLUMN] += freed
@@ -231,8 +330,11 @@ class GroupTTL:
         """The group's training lookup gave global ``slots`` (-1: no row) to ids of
         ``table_idx`` (tables at ``row_offsets``): mark, then sweep."""
         for t, table in self.ttl_tables:
-            table.ttl.settle(1)
-            if table.ttl.keeps_array:
+            ttl = table.ttl
+            ttl.settle(1)
+            if ttl.keeps_array or ttl.counting:
                 mine = (table_idx == t) & (slots >= 0)
-                table.ttl.mark(torch.where(mine, slots - row_offsets[t], -1))
-            table.ttl.sweep()
+                local = torch.where(mine, slots - row_offsets[t], -1)
+                ttl.count(local)  # one sighting per occurrence
+                ttl.mark_seen(local)
+            ttl.sweep()
