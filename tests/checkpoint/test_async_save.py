@@ -127,15 +127,17 @@ def test_a_save_holds_the_state_at_the_call(kind, tmp_path, gated):
         fresh.assert_state(want)
 
 
-def test_two_saves_in_a_row_hold_their_own_states(tmp_path):
+def test_two_saves_in_a_row_hold_their_own_states(tmp_path, gated):
     job = InMemory(tmp_path)
     job.train(range(2))
     first_state = job.state()
     first = checkpoint.async_save(job.model, tmp_path / "first", optimizer=job.optimizer)
     job.train(range(2, 4))
     second_state = job.state()
+    threading.Timer(0.2, gated.set).start()  # the first writes while the second waits
+    assert not first.done()
     second = checkpoint.save(job.model, tmp_path / "second", job.optimizer, blocking=False)
-    assert first.done()  # the second save waited for the first
+    assert first.done()  # the second save waited for the first, then took its snapshot
     job.train(range(4, 5))
     second.result()
     first.result()
@@ -143,6 +145,7 @@ def test_two_saves_in_a_row_hold_their_own_states(tmp_path):
         fresh = InMemory(tmp_path)
         checkpoint.load(fresh.model, tmp_path / name, optimizer=fresh.optimizer)
         fresh.assert_state(want)
+    checkpoint.asynchronous.release_buffers()
 
 
 def test_a_failing_save_raises_from_result_and_keeps_the_checkpoint_before(tmp_path, monkeypatch):

@@ -33,7 +33,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -43,8 +43,17 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.tensor import DTensor
 
 from torchrec_kvemb.state_dict.checks import CheckpointError
+from torchrec_kvemb.state_dict.deferred import DeferredEntries, DeferredEntry
 
-__all__ = ["AsyncCheckpoint", "checkpoint_group", "copied", "staged", "start", "wait_previous"]
+__all__ = [
+    "AsyncCheckpoint",
+    "checkpoint_group",
+    "copied",
+    "release_buffers",
+    "staged",
+    "start",
+    "wait_previous",
+]
 
 
 class AsyncCheckpoint:
@@ -141,15 +150,21 @@ def lowest_priority() -> None:
 
 
 def wait_previous(raise_failure: bool) -> None:
-    """Wait for the asynchronous save in flight, if any. ``raise_failure``: raise
-    its error when it failed and its ``result()`` did not raise it already (once)."""
+    """Wait for the asynchronous save in flight, if any. ``raise_failure``: then
+    forget it, raising its error when it failed and its ``result()`` did not raise
+    it already (once); without, a failure stays for the next save to raise."""
     global _pending
     with _lock:
-        handle, _pending = _pending, None
+        handle = _pending
     if handle is None:
         return
     error = handle._future.exception()
-    if error is not None and raise_failure and not handle._observed:
+    if not raise_failure:
+        return
+    with _lock:
+        if _pending is handle:
+            _pending = None
+    if error is not None and not handle._observed:
         handle._observed = True
         raise CheckpointError(
             f"the previous asynchronous save to {handle.path!r} failed (nothing was "
@@ -189,19 +204,95 @@ def copied(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def staged(state: dict[str, Any], fresh: Iterable[tuple[str, ...]] = ()) -> dict[str, Any]:
+#: Staging buffers of the KV tables' rows by state path, kept for the next
+#: asynchronous save (see :func:`release_buffers`).
+_buffers: dict[tuple[str, ...], torch.Tensor] = {}
+
+
+def release_buffers() -> None:
+    """Free the staging buffers asynchronous saves keep for the next one (after the
+    save in flight, if any, is done)."""
+    wait_previous(raise_failure=False)
+    _buffers.clear()
+
+
+def _buffer(path: tuple[str, ...], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``[: shape[0]]`` of the buffer kept at ``path`` (grown when too small)."""
+    buffer = _buffers.get(path)
+    rows, tail = shape[0], tuple(shape[1:])
+    if buffer is None or buffer.dtype != dtype or tuple(buffer.shape[1:]) != tail:
+        buffer = None
+    if buffer is None or buffer.shape[0] < rows:
+        # why the eighth: a table that grows between saves reuses its buffer.
+        buffer = torch.empty((rows + rows // 8, *tail), dtype=dtype)
+        _buffers[path] = buffer
+    return buffer[:rows]
+
+
+def staged(
+    state: dict[str, Any],
+    fresh: Iterable[tuple[str, ...]] = (),
+    deferred: DeferredEntries | None = None,
+) -> dict[str, Any]:
     """``state`` with every tensor copied (``ShardedTensor`` shards and ``DTensor``
     local tensors included, on their devices) except those at the paths ``fresh``:
-    tensors made for this snapshot that nothing else holds."""
+    tensors made for this snapshot that nothing else holds. The placeholders of
+    ``deferred`` (KV tables in CPU memory) are filled into staging buffers kept for
+    the next save, the tables ordered and gathered on up to
+    ``torch.get_num_threads()`` threads, one table per thread at a time."""
     keep = set(fresh)
+    deferred = deferred if deferred is not None else DeferredEntries()
+    fills: list[tuple[DeferredEntry, int, torch.Tensor]] = []
+    used: set[tuple[str, ...]] = set()
+
+    def filled(tensor: torch.Tensor, path: tuple[str, ...]) -> torch.Tensor | None:
+        found = deferred.find(tensor)
+        if found is None:
+            return None
+        entry, first, _ = found
+        used.add(path)
+        buffer = _buffer(path, tensor.shape, tensor.dtype)
+        fills.append((entry, first, buffer))
+        return buffer
 
     def walk(value: Any, path: tuple[str, ...]) -> Any:
-        if path in keep:
-            return value
         if isinstance(value, dict):
             return {k: walk(v, (*path, k)) for k, v in value.items()}
         if isinstance(value, list):
             return [walk(v, (*path, str(i))) for i, v in enumerate(value)]
+        if isinstance(value, ShardedTensor) and path in keep:
+            shards = []
+            for i, shard in enumerate(value.local_shards()):
+                tensor = filled(shard.tensor, (*path, str(i)))
+                shards.append(shard if tensor is None else Shard(tensor, shard.metadata))
+            return ShardedTensor._init_from_local_shards_and_global_metadata(
+                shards, value.metadata(), process_group=value._process_group
+            )
+        if type(value) is torch.Tensor and path in keep:
+            tensor = filled(value, path)
+            return value if tensor is None else tensor
+        if path in keep:
+            return value
         return copied(value)
 
-    return walk(state, ())
+    out = walk(state, ())
+    for path in [p for p in _buffers if p not in used]:
+        del _buffers[path]  # a table no longer saved, or now held elsewhere
+    _fill(fills)
+    return out
+
+
+def _fill(fills: list[tuple[DeferredEntry, int, torch.Tensor]]) -> None:
+    """Fill every buffer, the entries of one table after another on each thread (a
+    table is ordered once, by its first entry's thread)."""
+    by_table: dict[int, list[tuple[DeferredEntry, int, torch.Tensor]]] = {}
+    for fill in fills:
+        by_table.setdefault(id(fill[0].export), []).append(fill)
+
+    def run(table_fills: list[tuple[DeferredEntry, int, torch.Tensor]]) -> None:
+        for entry, first, buffer in table_fills:
+            entry.fill(first, buffer)
+
+    threads = max(1, min(len(by_table), torch.get_num_threads()))
+    with ThreadPoolExecutor(threads, thread_name_prefix="kvemb-ckpt-stage") as pool:
+        list(pool.map(run, by_table.values()))
