@@ -85,7 +85,7 @@ class GrowthResult:
     capacity_end: dict[str, int]  # rows of capacity after the phase, all tables
     growths: int  # growths of the grown model's tables in one phase
     evictions: int  # evictions of the fixed model in one phase
-    load: tuple[float, float]
+    machine: str  # the machine, threads and load (``machine_line``)
 
     def ids_per_s(self, system: str) -> float:
         return self.config.ids_per_phase / (self.ms_per_phase[system] / 1e3)
@@ -164,9 +164,8 @@ def run(config: BenchConfig) -> GrowthResult:
             del models
             print(f"phase {repeat + 1}/{config.repeats}", file=sys.stderr, flush=True)
         ms = {system: 1e3 * statistics.median(s) for system, s in seconds.items()}
-        return GrowthResult(
-            config, ms, start, end, capacity, growths, evictions, (load_at_start, load_average())
-        )
+        machine = machine_line((load_at_start, load_average()))  # while the threads are set
+        return GrowthResult(config, ms, start, end, capacity, growths, evictions, machine)
     finally:
         torch.set_num_threads(previous)
 
@@ -200,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> GrowthResult:
     print(
         f"{c.tables} tables x {c.capacity:,} rows x dim {c.dim}, batch {c.batch}, {c.bag} ids/bag, "
         f"{c.steps} steps of fresh ids below {c.id_range:,}; row-wise Adagrad\n"
-        f"{machine_line(result.load)}\n"
+        f"{result.machine}\n"
     )
     print(format_table(HEADERS, rows(result)))
     print(

@@ -50,16 +50,17 @@ def max_per_unique(
 
 
 def grown_storage(rows: int, weights: torch.Tensor, state: torch.Tensor) -> TableStorage:
-    """An empty index of ``rows`` slots, rows like ``weights`` and ``state`` (not
-    zeroed: a row is written when an id takes its slot, and only rows of stored ids
-    are read), no admission counter: what a table grows into."""
+    """An empty index of ``rows`` slots, zero rows like ``weights`` and ``state``
+    (why zeros: a lookup may read an empty slot's row and mask it by
+    multiplication, which garbage NaNs would survive), no admission counter: what
+    a table grows into."""
     keys = torch.full((rows // WAYS, WAYS), -1, dtype=torch.int64, device=weights.device)
     empty = keys.new_empty(0)
     return TableStorage(
         keys,
         torch.zeros_like(keys),
-        weights.new_empty(rows, weights.shape[1]),
-        state.new_empty(rows, state.shape[1]),
+        weights.new_zeros(rows, weights.shape[1]),
+        state.new_zeros(rows, state.shape[1]),
         empty.view(0, WAYS),
         empty.view(0, WAYS),
         empty,
