@@ -22,10 +22,11 @@ row-wise Adagrad (one float of state per row). Bytes of a checkpoint: per row
 * ``async``: a training step (forward, backward, fused row-wise Adagrad; ``batch``
   bags of ``bag`` ids per table, drawn from the stored ids) while an
   asynchronous save (``checkpoint.async_save``) writes, against the same steps
-  with nothing in flight, run just after (``--async-steps`` of them at most, the
-  steps that start before the save is done). The call itself, which copies the
-  state, is reported on its own (``async call``; the first save allocates its
-  staging buffers, later ones reuse them). Target: 0.9x the steps' rate.
+  with nothing in flight, run just before and just after (their mean;
+  ``--async-steps`` steps at most, those that start before the save is done).
+  The call itself, which copies the state, is reported on its own (``async
+  call``; the first save allocates its staging buffers, later ones reuse them).
+  Target: 0.9x the steps' rate.
   For reference, the same steps beside a plain write of the checkpoint's bytes
   by a thread at the same (lowest) CPU priority, then fsync: what the machine's
   write path alone costs the steps.
@@ -253,26 +254,25 @@ def run(config: CheckpointBenchConfig, directory: Path) -> CheckpointBenchResult
             shutil.rmtree(work / f"ckpt{config.repeats - 1}", ignore_errors=True)
             shutil.rmtree(work / f"async{repeat - 1}", ignore_errors=True)
             gc.collect()
-            start = time.perf_counter()
-            pending = checkpoint.async_save(model, work / f"async{repeat}")
-            samples["async call"].append(time.perf_counter() - start)
-            in_flight = train(model, batches, until=pending.done)
-            pending.result()
-            none = train(model, batches[: len(in_flight)])
-            step_seconds["in flight"] += sum(in_flight)
-            step_seconds["none"] += sum(none)
-            steps["in flight"] += len(in_flight)
 
-            os.sync()
-            writing = threading.Thread(target=plain_write, args=(work / "plain", nbytes))
-            writing.start()
-            in_flight = train(model, batches, until=finished(writing))
-            writing.join()
+            def save(repeat: int = repeat) -> tuple[Callable[[], bool], Callable[[], None]]:
+                start = time.perf_counter()
+                pending = checkpoint.async_save(model, work / f"async{repeat}")
+                samples["async call"].append(time.perf_counter() - start)
+                return pending.done, pending.result
+
+            def write() -> tuple[Callable[[], bool], Callable[[], None]]:
+                thread = threading.Thread(target=plain_write, args=(work / "plain", nbytes))
+                thread.start()
+                return finished(thread), thread.join
+
+            for key, begin in (("in flight", save), ("plain write", write)):
+                os.sync()
+                in_flight, none, n = beside(model, batches, begin)
+                step_seconds[key] += in_flight
+                step_seconds["none" if key == "in flight" else "none (plain write)"] += none
+                steps[key] += n
             (work / "plain").unlink()
-            none = train(model, batches[: len(in_flight)])
-            step_seconds["plain write"] += sum(in_flight)
-            step_seconds["none (plain write)"] += sum(none)
-            steps["plain write"] += len(in_flight)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         torch.set_num_threads(previous)
@@ -284,6 +284,24 @@ def run(config: CheckpointBenchConfig, directory: Path) -> CheckpointBenchResult
         step_seconds,
         steps,
     )
+
+
+def beside(
+    model: KVEmbeddingBagCollection,
+    batches: Sequence[KeyedJaggedTensor],
+    begin: Callable[[], tuple[Callable[[], bool], Callable[[], None]]],
+) -> tuple[float, float, int]:
+    """``(in flight, none, n)``: seconds of the ``n`` steps that start while the work
+    ``begin()`` starts is in flight (``begin`` returns its ``done`` and ``wait``),
+    and of the same batches without it: the mean of their steps just before and
+    just after (the machine's drift cancels)."""
+    before = train(model, batches)
+    done, wait = begin()
+    in_flight = train(model, batches, until=done)
+    wait()
+    n = len(in_flight)
+    after = train(model, batches[:n])
+    return sum(in_flight), (sum(before[:n]) + sum(after)) / 2, n
 
 
 def training_batches(
