@@ -399,6 +399,36 @@ def test_checkpoint_holds_every_tier(over_ssd, tmp_path, monkeypatch):
             m.table(name).close()
 
 
+def test_two_ranks_over_host_tiers_and_their_checkpoint_at_one_process(tmp_path):
+    """2 ranks row-wise over host tiers equal the unsharded all-in-memory collection
+    (tests/host_tier_worker.py); their checkpoint loads in one process into tables
+    over host tiers, and into all-in-memory tables, with every id's row."""
+    from tests.host_tier_worker import REFERENCE, TIERED
+    from tests.sharding import dist_worker as base
+    from tests.torchrun_jobs import read_result, run_job, torchrun_command
+
+    result_path = tmp_path / "result.json"
+    job = run_job(
+        torchrun_command(2, "-m", "tests.host_tier_worker", str(result_path), str(tmp_path))
+    )
+    result = read_result(result_path, job)
+    failed = {n: r for n, r in result["scenarios"].items() if not r["passed"]}
+    assert not failed, failed
+    assert job.returncode == 0, job.stderr[-6000:]
+    saved = torch.load(tmp_path / "rows.pt")
+    for options in (TIERED, REFERENCE):
+        model = base.EBCModel(
+            KVEmbeddingBagCollection(base.kv_configs(2**40), options, fused_params=base.ADAGRAD)
+        )
+        checkpoint.load(model, tmp_path / "ckpt")
+        for name, want in saved.items():
+            table = model.ebc.table(name)
+            _assert_rows_equal(table.export(), want, f"{name} loaded at 1 process")
+            if options is TIERED:
+                assert table.metrics()["host_size"] > 0, name
+            table.close()
+
+
 # ------------------------------------------------------------------------ crash
 CHILD = textwrap.dedent(
     """
