@@ -22,7 +22,8 @@ same object (``TableTTL``) keeps them, marked where the last steps are.
 
 Example::
 
-    table = KVTable("t", 8, KVTableOptions(capacity=64, ttl=TTLOptions(steps=3)))
+    ttl = TTLOptions(steps=3, sweep_buckets_per_step=4)   # 64 rows: 4 buckets
+    table = KVTable("t", 8, KVTableOptions(capacity=64, ttl=ttl))
     table.lookup_train(torch.tensor([1, 2]))      # step 1
     for _ in range(3):
         table.lookup_train(torch.tensor([2]))     # steps 2-4: id 1 freed at step 4
