@@ -292,3 +292,35 @@ def test_a_grown_collection_quantizes_for_inference():
         copy = table.export()
         assert torch.equal(copy["ids"], rows[name]["ids"]), name
         assert torch.equal(copy["weights"], rows[name]["weights"].to(torch.float16)), name
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_sequence_tables_grow_as_fixed_ones_train(backend, monkeypatch):
+    from torchrec.modules.embedding_configs import EmbeddingConfig
+
+    from torchrec_kvemb import KVEmbeddingCollection
+
+    monkeypatch.setenv(ENV_VAR, "auto" if backend == "native" else backend)
+    configs = [
+        EmbeddingConfig(
+            name="s", embedding_dim=3, num_embeddings=2**40, feature_names=["x", "y", "z"],
+            weight_init_min=-0.1, weight_init_max=0.1,
+        )
+    ]  # fmt: skip
+    options = KVTableOptions(capacity=200, initial_capacity=7, eviction=EvictionPolicy.LFU)
+    fused = {"optimizer": EmbOptimType.ADAM, "learning_rate": 0.05}
+    grown = KVEmbeddingCollection(configs, options, fused_params=fused)
+    twin = _twin(options, grown.table("s"))
+    fixed = KVEmbeddingCollection(configs, twin, fused_params=fused)
+    for step, kjt in enumerate(_batches(steps=7)):
+        out_g, out_f = grown(kjt), fixed(kjt)
+        loss_g = sum((out_g[k].values() * (i + 1)).sum() for i, k in enumerate(out_g))
+        loss_f = sum((out_f[k].values() * (i + 1)).sum() for i, k in enumerate(out_f))
+        for key in out_f:
+            torch.testing.assert_close(out_g[key].values(), out_f[key].values(), msg=key)
+        loss_g.backward()
+        loss_f.backward()
+        _same_rows(grown.table("s").export(), fixed.table("s").export(), f"step {step}")
+    metrics, fixed_metrics = grown.table("s").metrics(), fixed.table("s").metrics()
+    assert metrics["growths"] > 0
+    assert metrics["evictions"] == fixed_metrics["evictions"] > 0
