@@ -324,3 +324,13 @@ def test_sequence_tables_grow_as_fixed_ones_train(backend, monkeypatch):
     metrics, fixed_metrics = grown.table("s").metrics(), fixed.table("s").metrics()
     assert metrics["growths"] > 0
     assert metrics["evictions"] == fixed_metrics["evictions"] > 0
+
+
+def test_grow_refuses_what_is_not_a_power_of_two_step_to_the_maximum():
+    table = KVTable("t", 2, KVTableOptions(capacity=16 * 16, initial_capacity=16))
+    assert table.room() == table.max_capacity == 256
+    for rows in (48, 512, 8):
+        with pytest.raises(ValueError, match="cannot grow from 16"):
+            table.grow(rows)
+    table.grow(64)
+    assert table.capacity == 64 and table.metrics()["growths"] == 1

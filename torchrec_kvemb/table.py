@@ -231,8 +231,9 @@ class KVTable:
         return self.size
 
     def room(self) -> int | None:
-        """Rows the table can hold at most in all its tiers (None: no bound)."""
-        return self.capacity
+        """Rows the table can hold at most in all its tiers (None: no bound); a
+        growing table's maximum."""
+        return self.max_capacity
 
     @property
     def init_spec(self) -> InitSpec:
@@ -497,7 +498,7 @@ class KVTable:
         with its row, optimizer state and score; the admission counter stays."""
         if rows == self.capacity:
             return
-        if rows < self.capacity or rows > self.max_capacity or rows % self.capacity:
+        if rows < self.capacity or self.max_capacity % rows or rows % self.capacity:
             raise ValueError(
                 f"table {self.name!r}: cannot grow from {self.capacity} to {rows} rows "
                 f"(a power-of-two multiple, at most {self.max_capacity})"
