@@ -90,6 +90,15 @@ class KVTable:
         table.flush()              # every row durable; reopening the path restores them
         table.close()
 
+    **Growth.** With ``options.initial_capacity`` the table starts with fewer
+    buckets and grows (``make_room``, ``grow``: doubling, rows rehashed with their
+    state and scores) before a lookup or insert would evict or fail, up to
+    ``max_capacity``; it behaves as a table built at ``max_capacity``
+    (docs/kv-table.md, "Tables that grow")::
+
+        table = KVTable("user", 8, KVTableOptions(capacity=1 << 20, initial_capacity=1 << 14))
+        table.capacity, table.max_capacity   # (16384, 1048576), until it grows
+
     **Clocks.** ``clock [2]`` int64 holds the training lookups so far (``step``: the
     LRU clock, a new row's score) and the optimizer steps so far (``optim_step``:
     Adam's bias correction). Who advances them:
