@@ -144,15 +144,16 @@ def test_planner_counts_the_optimizer_apply_optimizer_in_backward_marked():
     is planned with Adam's state (two values per column), as it will be sharded."""
     sharder = _sharders()[0]
     ebc = EmbeddingBagCollection(_ebc_configs(), device=META)
-    adam = {"betas": (0.8, 0.95), "eps": 1e-6}
+    adam = {"lr": 0.01, "betas": (0.8, 0.95), "eps": 1e-6}
     apply_optimizer_in_backward(torch.optim.Adam, [ebc.embedding_bags["kv"].weight], adam)
     params = sharder.shardable_parameters(ebc)
 
     def planned(name):
         return params[name].numel() * params[name].element_size()
 
+    # TorchRec's merge: the weight's kwargs over the sharder's (its lr the learning rate).
     adam_optim = FusedOptimConfig.from_fused_params(
-        {**ADAGRAD, "optimizer": EmbOptimType.ADAM, **adam}
+        {"optimizer": EmbOptimType.ADAM, "learning_rate": 0.01, "betas": (0.8, 0.95), "eps": 1e-6}
     )
     adagrad_optim = FusedOptimConfig.from_fused_params(ADAGRAD)
     options = EBC_OPTIONS["kv"]

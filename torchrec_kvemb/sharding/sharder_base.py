@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
+from torchrec.distributed.utils import merge_fused_params
 
 from torchrec_kvemb.optimizer import FusedOptimConfig, fused_params_of_torch_optimizer
 from torchrec_kvemb.options import KVTableOptions, with_config_init
@@ -176,7 +177,7 @@ class KVSharderBase:
             return self._optim
         kwargs = getattr(weight, "_optimizer_kwargs", [{}])[0]
         marked = fused_params_of_torch_optimizer(classes[0], kwargs, table)
-        return optim_config({**(self.fused_params or {}), **marked}, table)
+        return optim_config(merge_fused_params(self.fused_params, dict(marked)), table)
 
     def table_specs(self, module: nn.Module) -> KVTableSpecs:
         """The options (and, for a KV module, optimizers) of ``module``'s KV tables."""
