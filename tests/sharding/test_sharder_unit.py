@@ -16,10 +16,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvemb import (
     FusedOptimConfig,
+    HostTierOptions,
     KVEmbeddingBagCollection,
     KVEmbeddingBagCollectionSharder,
     KVTable,
     KVTableOptions,
+    SSDOptions,
 )
 from torchrec_kvemb.sharding import KV_COMPUTE_KERNEL, ShardedKVEmbeddingBagCollection
 from torchrec_kvemb.sharding.kv_embedding import shard_options
@@ -223,6 +225,20 @@ def test_capacity_is_per_table():
     budget = shard_options(KVTableOptions(memory_budget_bytes=10_001), 2)
     assert budget.memory_budget_bytes == 5001
     assert shard_options(options, 1) is options
+    tiers = KVTableOptions(
+        capacity=100,
+        ssd=SSDOptions(path="/tmp/unused", capacity=1001),
+        host_tier=HostTierOptions(capacity=501),
+    )
+    part = shard_options(tiers, 2)
+    assert (part.ssd.capacity, part.host_tier.capacity) == (501, 251)
+    assert part.ssd.path == tiers.ssd.path
+    host_budget = shard_options(
+        KVTableOptions(capacity=9, host_tier=HostTierOptions(memory_budget_bytes=999)), 3
+    )
+    assert host_budget.host_tier.memory_budget_bytes == 333
+    unbounded = shard_options(KVTableOptions(capacity=9, ssd=SSDOptions(path="/tmp/unused")), 3)
+    assert unbounded.ssd.capacity is None
 
 
 # ------------------------------------------- sharded module, fake process group

@@ -54,8 +54,9 @@ def optim_config(
 def shard_options(options: KVTableOptions, num_shards: int) -> KVTableOptions:
     """The options of one of ``num_shards`` equal shards of a table.
 
-    ``capacity``, ``memory_budget_bytes`` and ``admission_counter_capacity`` are
-    per table: each shard gets ``ceil(1 / num_shards)`` of them.
+    ``capacity``, ``memory_budget_bytes``, ``admission_counter_capacity``,
+    ``initial_capacity`` and the lower tiers' capacities and budgets are per
+    table: each shard gets ``ceil(1 / num_shards)`` of them.
     """
     if num_shards == 1:
         return options
@@ -69,6 +70,16 @@ def shard_options(options: KVTableOptions, num_shards: int) -> KVTableOptions:
         memory_budget_bytes=part(options.memory_budget_bytes),
         admission_counter_capacity=part(options.admission_counter_capacity),
         initial_capacity=part(options.initial_capacity),
+        ssd=None
+        if options.ssd is None
+        else replace(options.ssd, capacity=part(options.ssd.capacity)),
+        host_tier=None
+        if options.host_tier is None
+        else replace(
+            options.host_tier,
+            capacity=part(options.host_tier.capacity),
+            memory_budget_bytes=part(options.host_tier.memory_budget_bytes),
+        ),
     )
 
 
