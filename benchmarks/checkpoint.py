@@ -27,6 +27,9 @@ row-wise Adagrad (one float of state per row). Bytes of a checkpoint: per row
   The call itself, which copies the state, is reported on its own (``async
   call``; the first save allocates its staging buffers, later ones reuse them).
   Target: 0.9x the steps' rate.
+  With ``--async-rate`` (MB/s, 50 by default; 0 leaves it out) the same with the
+  save's writes capped at that rate (``max_write_bytes_per_s``): the writes'
+  CPU cost spread over more steps.
   For reference, the same steps beside a plain write of the checkpoint's bytes
   by a thread at the same (lowest) CPU priority, then fsync: what the machine's
   write path alone costs the steps.
@@ -53,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import shutil
 import statistics
@@ -87,6 +91,13 @@ from torchrec_kvemb.checkpoint.save_load import ASYNC_THREADS
 TARGETS = {"save": 0.7, "load": 0.5}
 #: Training steps while an asynchronous save writes, against none in flight.
 ASYNC_TARGET = 0.9
+#: ``CheckpointBenchResult.steps`` key of each ``step_seconds`` key.
+MEASURED = {
+    "in flight": "in flight",
+    "none": "in flight",
+    "paced": "paced",
+    "plain write": "plain write",
+}
 BLOCK = 8 << 20
 
 
@@ -102,6 +113,7 @@ class CheckpointBenchConfig:
     bag: int = 8  # ids per bag
     async_steps: int = 100  # most steps timed per save in flight
     async_repeats: int = 2  # async saves timed (each beside its own steps)
+    async_rate: float = 50.0  # MB/s of the paced async save (0: not measured)
 
 
 QUICK = CheckpointBenchConfig(
@@ -116,8 +128,10 @@ class CheckpointBenchResult:
     seconds: dict[str, float]  # median per operation
     samples: dict[str, tuple[float, ...]]
     #: Training steps timed, summed over the repeats: ``"in flight"`` (an async save
-    #: writing) and ``"none"`` (the same batches after it); ``"plain write"`` (a
-    #: plain write of the same bytes in flight) and ``"none (plain write)"``.
+    #: writing) and ``"none"`` (the same batches without it); ``"paced"`` and
+    #: ``"none (paced)"`` (the save's writes capped at ``async_rate`` MB/s);
+    #: ``"plain write"`` (a plain write of the same bytes in flight) and
+    #: ``"none (plain write)"``. ``steps`` by the first key of each pair.
     step_seconds: dict[str, float]
     steps: dict[str, int]
 
@@ -127,7 +141,7 @@ class CheckpointBenchResult:
 
     def steps_per_s(self, key: str) -> float:
         """Training steps per second of ``step_seconds[key]``."""
-        n = self.steps["plain write" if "plain write" in key else "in flight"]
+        n = self.steps[MEASURED[key.removeprefix("none (").rstrip(")")]]
         return n / self.step_seconds[key] if self.step_seconds[key] > 0 else float("nan")
 
     def async_ratio(self) -> float:
@@ -137,6 +151,12 @@ class CheckpointBenchResult:
     def plain_write_ratio(self) -> float:
         """The same beside a plain write of the checkpoint's bytes (the reference)."""
         return self.step_seconds["none (plain write)"] / self.step_seconds["plain write"]
+
+    def ratio(self, key: str) -> float:
+        """Steps per second beside ``key`` (``in flight``, ``paced``, ``plain write``)
+        over those of the same steps without it."""
+        none = "none" if key == "in flight" else f"none ({key})"
+        return self.step_seconds[none] / self.step_seconds[key] if self.steps[key] else math.nan
 
 
 # ----------------------------------------------------------------- tables
@@ -217,8 +237,13 @@ def run(config: CheckpointBenchConfig, directory: Path) -> CheckpointBenchResult
         "first touch": [],
         "async call": [],
     }
-    step_seconds = dict.fromkeys(("in flight", "none", "plain write", "none (plain write)"), 0.0)
-    steps = {"in flight": 0, "plain write": 0}
+    measured = (
+        ("in flight", "paced", "plain write") if config.async_rate else ("in flight", "plain write")
+    )
+    step_seconds = {
+        k: 0.0 for m in measured for k in (m, "none" if m == "in flight" else f"none ({m})")
+    }
+    steps = dict.fromkeys(measured, 0)
     work = Path(tempfile.mkdtemp(prefix="kvemb_ckpt_bench_", dir=directory))
     try:
         model = build(config)
@@ -261,16 +286,25 @@ def run(config: CheckpointBenchConfig, directory: Path) -> CheckpointBenchResult
                 samples["async call"].append(time.perf_counter() - start)
                 return pending.done, pending.result
 
+            def paced(repeat: int = repeat) -> tuple[Callable[[], bool], Callable[[], None]]:
+                shutil.rmtree(work / f"async{repeat}", ignore_errors=True)
+                rate = config.async_rate * 1e6
+                pending = checkpoint.async_save(
+                    model, work / f"async{repeat}", max_write_bytes_per_s=rate
+                )
+                return pending.done, pending.result
+
             def write() -> tuple[Callable[[], bool], Callable[[], None]]:
                 thread = threading.Thread(target=plain_write, args=(work / "plain", nbytes))
                 thread.start()
                 return finished(thread), thread.join
 
-            for key, begin in (("in flight", save), ("plain write", write)):
+            begins = {"in flight": save, "paced": paced, "plain write": write}
+            for key in measured:
                 os.sync()
-                in_flight, none, n = beside(model, batches, begin)
+                in_flight, none, n = beside(model, batches, begins[key])
                 step_seconds[key] += in_flight
-                step_seconds["none" if key == "in flight" else "none (plain write)"] += none
+                step_seconds["none" if key == "in flight" else f"none ({key})"] += none
                 steps[key] += n
             (work / "plain").unlink()
     finally:
@@ -398,22 +432,25 @@ ASYNC_HEADERS = ("training step", "ms/step", "steps", "ratio (target)")
 
 
 def async_rows(result: CheckpointBenchResult) -> list[tuple[str, ...]]:
-    ratio = result.async_ratio()
-    verdict = "met" if ratio >= ASYNC_TARGET else "missed"
     seconds, steps = result.step_seconds, result.steps
-
-    def ms(key: str, n: int) -> str:
-        return f"{1e3 * seconds[key] / max(1, n):.2f}"
-
-    n, m = steps["in flight"], steps["plain write"]
-    target = f"{ratio:.2f}x (>= {ASYNC_TARGET}x: {verdict})"
-    reference = f"{result.plain_write_ratio():.2f}x (reference)"
-    return [
-        ("async save in flight", ms("in flight", n), str(n), target),
-        ("none (same batches)", ms("none", n), str(n), ""),
-        ("plain write of the bytes in flight", ms("plain write", m), str(m), reference),
-        ("none (same batches)", ms("none (plain write)", m), str(m), ""),
-    ]
+    names = {
+        "in flight": "async save in flight",
+        "paced": f"async save, {result.config.async_rate:g} MB/s, in flight",
+        "plain write": "plain write of the bytes in flight",
+    }
+    out = []
+    for key, n in steps.items():
+        none = "none" if key == "in flight" else f"none ({key})"
+        ratio = result.ratio(key)
+        verdict = "met" if ratio >= ASYNC_TARGET else "missed"
+        target = (
+            f"{ratio:.2f}x (reference)"
+            if key == "plain write"
+            else f"{ratio:.2f}x (>= {ASYNC_TARGET}x: {verdict})"
+        )
+        out.append((names[key], f"{1e3 * seconds[key] / max(1, n):.2f}", str(n), target))
+        out.append(("none (same batches)", f"{1e3 * seconds[none] / max(1, n):.2f}", str(n), ""))
+    return out
 
 
 def report(result: CheckpointBenchResult) -> str:

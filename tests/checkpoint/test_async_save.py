@@ -12,6 +12,7 @@ one refused.
 """
 
 import errno
+import math
 import os
 import signal
 import subprocess
@@ -21,6 +22,8 @@ import time
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from tests.checkpoint import ckpt_worker, test_ssd_scores
 from tests.checkpoint.async_worker import MORE
@@ -217,6 +220,30 @@ def test_a_process_killed_during_a_save_keeps_the_complete_checkpoint(tmp_path):
     fresh = InMemory(tmp_path)
     checkpoint.load(fresh.model, tmp_path / "ckpt", optimizer=fresh.optimizer)
     fresh.assert_state({**expected, "lr": ckpt_worker.CHANGED_LR})
+
+
+def test_a_write_rate_spreads_the_writes(tmp_path):
+    job = InMemory(tmp_path)
+    job.train(range(2))
+    want = job.state()
+    checkpoint.save(job.model, tmp_path / "unpaced")
+    saved = dcp.FileSystemReader(tmp_path / "unpaced").read_metadata().state_dict_metadata
+    nbytes = sum(
+        md.properties.dtype.itemsize * math.prod(md.size)
+        for md in saved.values()
+        if isinstance(md, TensorStorageMetadata)
+    )  # the tensors' bytes: what the rate counts
+    start = time.monotonic()
+    pending = checkpoint.async_save(job.model, tmp_path / "paced", max_write_bytes_per_s=nbytes)
+    job.train(range(2, 3))
+    pending.result()
+    # Each block waits for the end of its slot: a second or more at this rate.
+    assert time.monotonic() - start >= 0.9
+    fresh = InMemory(tmp_path)
+    checkpoint.load(fresh.model, tmp_path / "paced")
+    fresh.assert_state({**want, "optimizer": fresh.state()["optimizer"]})
+    with pytest.raises(ValueError, match="max_write_bytes_per_s must be > 0"):
+        checkpoint.save(job.model, tmp_path / "x", blocking=False, max_write_bytes_per_s=0)
 
 
 def test_sharded_two_ranks(tmp_path):

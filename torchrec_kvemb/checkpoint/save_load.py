@@ -94,6 +94,7 @@ def save(
     optimizer: torch.optim.Optimizer | None = None,
     thread_count: int | None = None,
     blocking: bool = True,
+    max_write_bytes_per_s: float | None = None,
 ) -> AsyncCheckpoint | None:
     """Write ``model`` (and ``optimizer``'s state, keyed by parameter name) to the
     checkpoint directory ``path``, atomically; an older checkpoint at ``path`` is
@@ -101,14 +102,16 @@ def save(
 
     ``thread_count``: DCP writer threads per rank, each writing its own file
     (``load`` reads them in parallel too); default 4 (:data:`ASYNC_THREADS` for
-    an asynchronous save).
+    an asynchronous save). ``max_write_bytes_per_s``: the most bytes per second
+    the rank's writer threads write together (None: as fast as they can).
 
     ``blocking=False``: :func:`async_save` (returns its handle). Either way a save
     first waits for an asynchronous save still in flight, and raises the
     :class:`CheckpointError` of one that failed unless its ``result()`` raised it.
     """
     if not blocking:
-        return async_save(model, path, optimizer, thread_count)
+        return async_save(model, path, optimizer, thread_count, max_write_bytes_per_s)
+    _check_rate(max_write_bytes_per_s)
     wait_previous(raise_failure=True)
     path = os.fspath(path)
     group = comm.process_group()
@@ -117,7 +120,7 @@ def save(
     tables = _table_configs(slots, group)
     with deferring() as deferred:  # rows are filled as they are written (writer.py)
         state = _state(model, slots, optimizer)
-    _write(state, deferred, path, tables, thread_count or THREADS, group)
+    _write(state, deferred, path, tables, thread_count or THREADS, group, max_write_bytes_per_s)
     return None
 
 
@@ -126,6 +129,7 @@ def async_save(
     path: str | os.PathLike,
     optimizer: torch.optim.Optimizer | None = None,
     thread_count: int | None = None,
+    max_write_bytes_per_s: float | None = None,
 ) -> AsyncCheckpoint:
     """Start writing ``model`` (and ``optimizer``) to ``path`` in the background;
     returns at once with an :class:`AsyncCheckpoint` whose ``result()`` waits for
@@ -137,7 +141,9 @@ def async_save(
     before it returns, so training may go on at once (the KV rows of tables in CPU
     memory into staging buffers kept for the next save:
     ``checkpoint.asynchronous.release_buffers()`` frees them). ``thread_count``:
-    writer threads per rank, default :data:`ASYNC_THREADS`. Collective when
+    writer threads per rank, default :data:`ASYNC_THREADS`.
+    ``max_write_bytes_per_s``: a cap on the rank's write rate, which spreads the
+    writes' CPU cost over more training steps (the save takes longer). Collective when
     ``torch.distributed`` is initialized (call it on every rank at the same point);
     its collectives run on a gloo group of its own (:func:`checkpoint_group`),
     never on the groups training uses. One save at a time: a save (either kind)
@@ -151,6 +157,7 @@ def async_save(
             train_step(batch)           # while the files are written
         pending.result()                # raises CheckpointError if the save failed
     """
+    _check_rate(max_write_bytes_per_s)
     wait_previous(raise_failure=True)
     path = os.fspath(path)
     group = checkpoint_group()
@@ -161,7 +168,13 @@ def async_save(
         state = _state(model, slots, optimizer)
     state = staged(state, _fresh_keys(slots), deferred)
     threads = thread_count or ASYNC_THREADS
-    return start(path, lambda: _write(state, DeferredEntries(), path, tables, threads, group))
+    rate = max_write_bytes_per_s
+    return start(path, lambda: _write(state, DeferredEntries(), path, tables, threads, group, rate))
+
+
+def _check_rate(bytes_per_s: float | None) -> None:
+    if bytes_per_s is not None and not bytes_per_s > 0:
+        raise ValueError(f"max_write_bytes_per_s must be > 0 (or None), got {bytes_per_s}")
 
 
 def _state(
@@ -194,6 +207,7 @@ def _write(
     tables: dict[str, dict[str, Any]],
     thread_count: int,
     group: Any,
+    max_bytes_per_s: float | None = None,
 ) -> None:
     """DCP writes ``state`` into ``<path>.tmp-<token>``; rank 0 publishes it (marker.py)."""
     token = comm.broadcast(uuid.uuid4().hex if comm.rank(group) == 0 else None, group)
@@ -202,7 +216,12 @@ def _write(
         with comm.single_process_ok():
             dcp.save(
                 state,
-                storage_writer=RowStreamWriter(tmp, thread_count=thread_count, deferred=deferred),
+                storage_writer=RowStreamWriter(
+                    tmp,
+                    thread_count=thread_count,
+                    deferred=deferred,
+                    max_bytes_per_s=max_bytes_per_s,
+                ),
                 process_group=group,
                 no_dist=group is None,
             )

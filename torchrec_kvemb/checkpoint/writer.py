@@ -23,6 +23,8 @@ from __future__ import annotations
 import io
 import math
 import os
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -57,12 +59,14 @@ class RowStreamWriter(FileSystemWriter):
         thread_count: int = 1,
         deferred: DeferredEntries | None = None,
         block_bytes: int = BLOCK_BYTES,
+        max_bytes_per_s: float | None = None,
     ) -> None:
         super().__init__(
             path, single_file_per_rank=True, sync_files=True, thread_count=thread_count
         )
         self.deferred = deferred if deferred is not None else DeferredEntries()
         self.block_bytes = block_bytes
+        self.pace = Pace(max_bytes_per_s) if max_bytes_per_s else None
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix
@@ -101,7 +105,7 @@ class RowStreamWriter(FileSystemWriter):
         if found is not None:
             entry, first, rows = found
             blocks = _filled_blocks(entry, first, rows, self.block_bytes)
-            write_tensor(f, tensor.dtype, tuple(tensor.shape), blocks)
+            write_tensor(f, tensor.dtype, tuple(tensor.shape), self._paced(blocks))
             return
         if (
             type(tensor) is not torch.Tensor
@@ -114,7 +118,44 @@ class RowStreamWriter(FileSystemWriter):
         whole = writable_bytes(tensor)
         step = self.block_bytes
         blocks = (whole[i : i + step] for i in range(0, len(whole), step))
-        write_tensor(f, tensor.dtype, tuple(tensor.shape), blocks)
+        write_tensor(f, tensor.dtype, tuple(tensor.shape), self._paced(blocks))
+
+    def _paced(self, blocks: Iterator[memoryview]) -> Iterator[memoryview]:
+        if self.pace is None:
+            return blocks
+        return self.pace.paced(blocks)
+
+
+class Pace:
+    """Spaces the blocks of every writer thread so that together they write at most
+    ``bytes_per_s`` (each block waits for its turn on one shared schedule).
+
+    Example::
+
+        pace = Pace(50e6)
+        for block in pace.paced(blocks):   # 50 MB/s over every thread using ``pace``
+            f.write(block)
+    """
+
+    def __init__(self, bytes_per_s: float) -> None:
+        if not bytes_per_s > 0:
+            raise ValueError(f"a write rate must be > 0 bytes/s, got {bytes_per_s}")
+        self.bytes_per_s = float(bytes_per_s)
+        self._lock = threading.Lock()
+        self._next = time.monotonic()
+
+    def take(self, nbytes: int) -> None:
+        """Wait for the end of the next free slot of ``nbytes / bytes_per_s`` s."""
+        with self._lock:
+            now = time.monotonic()
+            end = max(self._next, now) + nbytes / self.bytes_per_s
+            self._next = end
+        time.sleep(end - now)
+
+    def paced(self, blocks: Iterator[memoryview]) -> Iterator[memoryview]:
+        for block in blocks:
+            self.take(len(block))
+            yield block
 
 
 def _filled_blocks(
