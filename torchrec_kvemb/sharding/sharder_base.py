@@ -167,6 +167,20 @@ class KVSharderBase:
                 kv.add(config.name)
         return TablesInPlanning(self, params, kv)
 
+    def kv_table(self, module: nn.Module, table: str) -> tuple[KVTableOptions, FusedOptimConfig]:
+        """The options and optimizer ``table`` of ``module`` is sharded with (the planner's
+        storage estimates read them; see :mod:`.storage_estimator`)."""
+        specs = self.table_specs(module)
+        if table not in specs.options:
+            raise ValueError(f"table {table!r}: not a KV table of this sharder")
+        optim = specs.optims.get(table)
+        if optim is None:
+            stock = (
+                {} if isinstance(module, self.kv_module) else super().shardable_parameters(module)
+            )
+            optim = self._marked_optim(stock.get(table), table)
+        return specs.options[table], optim
+
     def _marked_optim(self, weight: torch.Tensor | None, table: str) -> FusedOptimConfig:
         """The optimizer a stock table's KV shards will run: the sharder's
         ``fused_params`` merged with what ``apply_optimizer_in_backward`` marked the
