@@ -137,8 +137,8 @@ def test_two_saves_in_a_row_hold_their_own_states(tmp_path, gated):
     first = checkpoint.async_save(job.model, tmp_path / "first", optimizer=job.optimizer)
     job.train(range(2, 4))
     second_state = job.state()
-    threading.Timer(0.2, gated.set).start()  # the first writes while the second waits
     assert not first.done()
+    threading.Timer(0.2, gated.set).start()  # the first writes while the second waits
     second = checkpoint.save(job.model, tmp_path / "second", job.optimizer, blocking=False)
     assert first.done()  # the second save waited for the first, then took its snapshot
     job.train(range(4, 5))
@@ -171,7 +171,8 @@ def test_a_failing_save_raises_from_result_and_keeps_the_checkpoint_before(tmp_p
 
     # A failure nobody asked about fails the next save, once.
     unasked = checkpoint.async_save(job.model, path, optimizer=job.optimizer)
-    while not unasked.done():
+    deadline = time.monotonic() + 60
+    while not unasked.done() and time.monotonic() < deadline:
         time.sleep(0.01)
     monkeypatch.undo()
     with pytest.raises(checkpoint.CheckpointError, match="previous asynchronous save"):
