@@ -18,6 +18,9 @@ Rules:
   collectives stay on their own groups, so the two never interleave on one
   communicator; one save at a time means the group carries one save's
   collectives at a time, in the same order on every rank.
+* The snapshot's KV rows (tables in CPU memory) go into staging buffers kept for
+  the next save (:func:`release_buffers`); the writing thread and the threads it
+  starts run at the lowest CPU priority (:func:`lowest_priority`).
 
 Example::
 
@@ -49,6 +52,7 @@ __all__ = [
     "AsyncCheckpoint",
     "checkpoint_group",
     "copied",
+    "lowest_priority",
     "release_buffers",
     "staged",
     "start",
