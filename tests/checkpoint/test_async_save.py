@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -30,7 +31,12 @@ from tests.checkpoint.async_worker import MORE
 from tests.checkpoint.test_state_dict import assert_same
 from tests.checkpoint.test_state_dict import snapshot as table_snapshot
 from tests.torchrun_jobs import ROOT, read_result, run_job, torchrun_command
-from torchrec_kvemb import EvictionPolicy, checkpoint
+from torchrec_kvemb import (
+    EvictionPolicy,
+    HostTierOptions,
+    KVEmbeddingBagCollection,
+    checkpoint,
+)
 from torchrec_kvemb.checkpoint import writer
 
 
@@ -82,7 +88,28 @@ class OverSSD:
         assert_same(self.state(), want)
 
 
-MODELS = {"in-memory": InMemory, "over-ssd": OverSSD}
+class OverHostTier(OverSSD):
+    """The same tables of 64 memory rows over host-memory tiers (LRU), the steps
+    moving rows between the tiers."""
+
+    def __init__(self, directory) -> None:
+        options = {
+            name: replace(
+                option,
+                ssd=None,
+                host_tier=HostTierOptions(capacity=512, eviction=EvictionPolicy.LRU),
+            )
+            for name, option in test_ssd_scores.options(
+                directory, EvictionPolicy.LRU, test_ssd_scores.SAVED_MEMORY
+            ).items()
+        }
+        self.model = KVEmbeddingBagCollection(
+            test_ssd_scores.configs(), options, fused_params=test_ssd_scores.ADAGRAD
+        )
+        self.optimizer = None
+
+
+MODELS = {"in-memory": InMemory, "over-ssd": OverSSD, "over-host-tier": OverHostTier}
 
 
 @pytest.fixture
