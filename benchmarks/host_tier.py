@@ -29,8 +29,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
 from benchmarks.common import (
     add_config_flags,
@@ -45,8 +43,16 @@ from benchmarks.common import (
     time_interleaved,
     write_markdown,
 )
-from benchmarks.ssd_tier import make_batches, memory_rows, train_step
-from torchrec_kvemb import HostTierOptions, KVEmbeddingBagCollection, KVTableOptions, SSDOptions
+from benchmarks.ssd_tier import (
+    TRAIN_HEADERS,
+    TrainResult,
+    build,
+    make_batches,
+    memory_rows,
+    train_results,
+    train_rows,
+    train_step,
+)
 
 FULL = "all in memory"
 HOST = "10% + host tier"
@@ -58,7 +64,7 @@ HOST_ROWS_PER_TABLE_ROW = 2
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """Sizes and timing of one run (the fields ``ssd_tier.make_batches`` reads)."""
+    """Sizes and timing of one run (the fields ``ssd_tier.make_batches`` and ``build`` read)."""
 
     dim: int = 64
     tables: int = 1
@@ -92,14 +98,6 @@ QUICK = BenchConfig(dim=16, batch=64, bag=4, rows=20_000, prime=5, steps=2, repe
 
 
 @dataclass(frozen=True)
-class TrainResult:
-    system: str
-    ms_per_step: float
-    best_ms: float
-    ids_per_s: float
-
-
-@dataclass(frozen=True)
 class BenchResult:
     config: BenchConfig
     distinct_ids: int
@@ -111,37 +109,6 @@ class BenchResult:
     def ratio(self, system: str) -> float:
         rates = {r.system: r.ids_per_s for r in self.train}
         return rates[system] / rates[FULL]
-
-
-def build(
-    config: BenchConfig, capacity: int, host_rows: int | None = None, ssd_path: str | None = None
-) -> KVEmbeddingBagCollection:
-    """``config.tables`` tables of ``capacity`` rows; with ``host_rows`` (0: unbounded)
-    over a host tier, and with ``ssd_path`` an SSD tier under that."""
-    tables = [
-        EmbeddingBagConfig(
-            name=name,
-            embedding_dim=config.dim,
-            num_embeddings=config.rows,
-            feature_names=["f" + name[1:]],
-            pooling=PoolingType.SUM,
-        )
-        for name in config.names
-    ]
-    host = None
-    if host_rows is not None:
-        host = HostTierOptions(capacity=host_rows or None)
-    options = {
-        name: KVTableOptions(
-            capacity=capacity,
-            seed=config.seed,
-            host_tier=host,
-            ssd=SSDOptions(os.path.join(ssd_path, name), resume=False) if ssd_path else None,
-        )
-        for name in config.names
-    }
-    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": config.learning_rate}
-    return KVEmbeddingBagCollection(tables, options, fused_params=fused)
 
 
 def run(config: BenchConfig, directory: str | None = None) -> BenchResult:
@@ -157,9 +124,9 @@ def run(config: BenchConfig, directory: str | None = None) -> BenchResult:
         )
         host_rows = max(16, math.ceil(HOST_ROWS_PER_TABLE_ROW * cache_rows / 16) * 16)
         systems = {
-            FULL: build(config, config.rows),
-            HOST: build(config, cache_rows, host_rows=0),
-            HOST_SSD: build(config, cache_rows, host_rows, os.path.join(workdir, "ssd")),
+            FULL: build(config, config.rows, None),
+            HOST: build(config, cache_rows, None, host_rows=0),
+            HOST_SSD: build(config, cache_rows, os.path.join(workdir, "ssd"), host_rows),
         }
         begin = time.perf_counter()
         for ebc in systems.values():
@@ -186,10 +153,7 @@ def run(config: BenchConfig, directory: str | None = None) -> BenchResult:
                 "ssd_rows": now["ssd_size"],
                 "host_evictions_per_step": (now["host_evictions"] - was["host_evictions"]) / n,
             }
-        results = tuple(
-            TrainResult(name, 1e3 * t.median_s, 1e3 * t.best_s, config.ids_per_step / t.median_s)
-            for name, t in timings.items()
-        )
+        results = train_results(config, timings)
         for ebc in systems.values():
             for table in ebc.kv_tables().values():
                 table.close()
@@ -202,22 +166,6 @@ def run(config: BenchConfig, directory: str | None = None) -> BenchResult:
 
 
 # ----------------------------------------------------------------- report
-HEADERS = ("system", "ms/step", "best ms", "M ids/s", "vs all in memory")
-
-
-def train_rows(result: BenchResult) -> list[tuple]:
-    return [
-        (
-            r.system,
-            f"{r.ms_per_step:.1f}",
-            f"{r.best_ms:.1f}",
-            f"{r.ids_per_s / 1e6:.2f}",
-            format_ratio(result.ratio(r.system)),
-        )
-        for r in result.train
-    ]
-
-
 def describe(result: BenchResult) -> str:
     c = result.config
     return (
@@ -253,7 +201,7 @@ def report(result: BenchResult) -> str:
     return "\n\n".join(
         [
             describe(result) + "\n" + machine_line(result.load),
-            format_table(HEADERS, train_rows(result)),
+            format_table(TRAIN_HEADERS, train_rows(result)),
             target_line(result),
             tier_line(result),
         ]
@@ -267,7 +215,7 @@ def write_report(result: BenchResult, path: str, command: str) -> None:
         [
             f"`{command}`",
             describe(result) + ".  \n" + machine_line(result.load) + ".",
-            markdown_table(HEADERS, train_rows(result)),
+            markdown_table(TRAIN_HEADERS, train_rows(result)),
             target_line(result) + ".",
             tier_line(result) + ".",
         ],

@@ -51,6 +51,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from benchmarks.common import (
+    Timing,
     ZipfIds,
     add_config_flags,
     command_line,
@@ -68,7 +69,13 @@ from benchmarks.common import (
     time_interleaved,
     write_markdown,
 )
-from torchrec_kvemb import KVEmbeddingBagCollection, KVTable, KVTableOptions, SSDOptions
+from torchrec_kvemb import (
+    HostTierOptions,
+    KVEmbeddingBagCollection,
+    KVTable,
+    KVTableOptions,
+    SSDOptions,
+)
 from torchrec_kvemb.optimizer import FusedOptimConfig, OptimKind
 
 FULL = "all in memory"
@@ -180,9 +187,12 @@ def make_batches(config: BenchConfig) -> list[KeyedJaggedTensor]:
     ]
 
 
-def build(config: BenchConfig, capacity: int, ssd_path: str | None) -> KVEmbeddingBagCollection:
+def build(
+    config: BenchConfig, capacity: int, ssd_path: str | None, host_rows: int | None = None
+) -> KVEmbeddingBagCollection:
     """The collection of ``config.tables`` tables of ``capacity`` rows each; with
-    ``ssd_path``, each table's SSD tier in a directory of its own under it."""
+    ``ssd_path``, each table's SSD tier in a directory of its own under it; with
+    ``host_rows`` (0: unbounded), a host-memory tier above that."""
     tables = [
         EmbeddingBagConfig(
             name=name,
@@ -193,10 +203,12 @@ def build(config: BenchConfig, capacity: int, ssd_path: str | None) -> KVEmbeddi
         )
         for name in config.names
     ]
+    host = None if host_rows is None else HostTierOptions(capacity=host_rows or None)
     options = {
         name: KVTableOptions(
             capacity=capacity,
             seed=config.seed,
+            host_tier=host,
             ssd=SSDOptions(os.path.join(ssd_path, name), resume=False) if ssd_path else None,
         )
         for name in config.names
@@ -218,6 +230,14 @@ def train_step(ebc, batches, grad, prefetch: bool = False) -> Callable[[int], No
         ebc(batches[i]).values().backward(grad)
 
     return step
+
+
+def train_results(config: BenchConfig, timings: dict[str, Timing]) -> tuple[TrainResult, ...]:
+    """One ``TrainResult`` per timed system, from its ``time_interleaved`` timing."""
+    return tuple(
+        TrainResult(name, 1e3 * t.median_s, 1e3 * t.best_s, config.ids_per_step / t.median_s)
+        for name, t in timings.items()
+    )
 
 
 def memory_rows(config: BenchConfig, batches: list[KeyedJaggedTensor]) -> tuple[int, int]:
@@ -265,15 +285,7 @@ def run_training(config: BenchConfig, workdir: str, verbose: bool):
         "ssd_rows": after["ssd_size"],
         "prefetch_hits": systems[PREFETCH][0].table("t").metrics()["ssd_prefetch_hits"],
     }
-    results = tuple(
-        TrainResult(
-            name,
-            1e3 * t.median_s,
-            1e3 * t.best_s,
-            config.ids_per_step / t.median_s,
-        )
-        for name, t in timings.items()
-    )
+    results = train_results(config, timings)
     for ebc, _ in systems.values():
         for table in ebc.kv_tables().values():
             if table.ssd is not None:
