@@ -45,6 +45,7 @@ from benchmarks.common import (
 )
 from benchmarks.ssd_tier import (
     TRAIN_HEADERS,
+    TrainingSizes,
     TrainResult,
     build,
     make_batches,
@@ -63,7 +64,7 @@ HOST_ROWS_PER_TABLE_ROW = 2
 
 
 @dataclass(frozen=True)
-class BenchConfig:
+class BenchConfig(TrainingSizes):
     """Sizes and timing of one run (the fields ``ssd_tier.make_batches`` and ``build`` read)."""
 
     dim: int = 64
@@ -80,18 +81,6 @@ class BenchConfig:
     threads: int | None = None
     learning_rate: float = 0.01
     seed: int = 0
-
-    @property
-    def ids_per_step(self) -> int:
-        return self.batch * self.bag * self.tables
-
-    @property
-    def names(self) -> list[str]:
-        return ["t"] + [f"t{i}" for i in range(1, self.tables)]
-
-    @property
-    def timed_batches(self) -> int:
-        return self.warmup + self.steps * self.repeats
 
 
 QUICK = BenchConfig(dim=16, batch=64, bag=4, rows=20_000, prime=5, steps=2, repeats=2, warmup=1)

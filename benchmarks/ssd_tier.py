@@ -85,8 +85,34 @@ NO_SSD = "10% no SSD"
 TARGET = 0.5
 
 
+class TrainingSizes:
+    """What a config of Zipf training batches derives from its ``batch``, ``bag``,
+    ``tables``, ``warmup``, ``steps`` and ``repeats`` (shared with ``host_tier``)."""
+
+    batch: int
+    bag: int
+    tables: int
+    warmup: int
+    steps: int
+    repeats: int
+
+    @property
+    def ids_per_step(self) -> int:
+        """Ids of one batch, all tables together."""
+        return self.batch * self.bag * self.tables
+
+    @property
+    def names(self) -> list[str]:
+        """Table names: ``t`` (the one whose counters are reported), ``t1``, ..."""
+        return ["t"] + [f"t{i}" for i in range(1, self.tables)]
+
+    @property
+    def timed_batches(self) -> int:
+        return self.warmup + self.steps * self.repeats
+
+
 @dataclass(frozen=True)
-class BenchConfig:
+class BenchConfig(TrainingSizes):
     """Sizes and timing of one run."""
 
     dim: int = 64
@@ -108,20 +134,6 @@ class BenchConfig:
     threads: int | None = None
     learning_rate: float = 0.01
     seed: int = 0
-
-    @property
-    def ids_per_step(self) -> int:
-        """Ids of one batch, all tables together."""
-        return self.batch * self.bag * self.tables
-
-    @property
-    def names(self) -> list[str]:
-        """Table names: ``t`` (the one whose counters are reported), ``t1``, ..."""
-        return ["t"] + [f"t{i}" for i in range(1, self.tables)]
-
-    @property
-    def timed_batches(self) -> int:
-        return self.warmup + self.steps * self.repeats
 
 
 QUICK = BenchConfig(
