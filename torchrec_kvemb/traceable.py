@@ -40,6 +40,25 @@ _LOOKUPS: weakref.WeakValueDictionary[int, KVBagLookup] = weakref.WeakValueDicti
 _HANDLES = itertools.count(1)
 
 
+def _register(lookup: KVBagLookup | KVSequenceLookup) -> int:
+    """A new handle for ``lookup``, kept in the registry the modules' forwards read."""
+    handle = next(_HANDLES)
+    _LOOKUPS[handle] = lookup
+    return handle
+
+
+def _call_node(
+    module: nn.Module,
+    features: torch.fx.Proxy,
+    eviction_scores: dict[str, torch.Tensor] | None,
+) -> torch.fx.Proxy:
+    """Being traced: one node calling ``module`` when the graph runs."""
+    tracer = features.tracer
+    return tracer.create_proxy(
+        "call_module", tracer.path_of_module(module), (features, eviction_scores), {}
+    )
+
+
 class KVPooledModule(nn.Module):
     """The pooled lookup of a ``KVBagLookup`` as a module: ``forward(features,
     eviction_scores) -> [stride, sum of feature dims]``; training mode stores new
@@ -51,8 +70,7 @@ class KVPooledModule(nn.Module):
     def __init__(self, lookup: KVBagLookup) -> None:
         super().__init__()
         self.lookup = lookup
-        self.handle: int = next(_HANDLES)
-        _LOOKUPS[self.handle] = lookup
+        self.handle: int = _register(lookup)
 
     @torch.jit.ignore
     def forward(
@@ -61,11 +79,7 @@ class KVPooledModule(nn.Module):
         eviction_scores: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         if isinstance(features, torch.fx.Proxy):
-            # Being traced: one node calling this module when the graph runs.
-            tracer = features.tracer
-            return tracer.create_proxy(
-                "call_module", tracer.path_of_module(self), (features, eviction_scores), {}
-            )
+            return _call_node(self, features, eviction_scores)
         return _lookup_of(self).pooled(features, self.training, eviction_scores)
 
 
@@ -80,8 +94,7 @@ class KVSequenceModule(nn.Module):
     def __init__(self, lookup: KVSequenceLookup) -> None:
         super().__init__()
         self.lookup = lookup
-        self.handle: int = next(_HANDLES)
-        _LOOKUPS[self.handle] = lookup
+        self.handle: int = _register(lookup)
 
     @torch.jit.ignore
     def forward(
@@ -90,10 +103,7 @@ class KVSequenceModule(nn.Module):
         eviction_scores: dict[str, torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         if isinstance(features, torch.fx.Proxy):
-            tracer = features.tracer
-            return tracer.create_proxy(
-                "call_module", tracer.path_of_module(self), (features, eviction_scores), {}
-            )
+            return _call_node(self, features, eviction_scores)
         return _lookup_of(self).sequences(features, self.training, eviction_scores)
 
 
