@@ -83,6 +83,13 @@ def _inference_options(options: KVTableOptions, capacity: int) -> KVTableOptions
     )
 
 
+def _refused_names(dtypes: dict[str, torch.dtype], allowed: tuple[torch.dtype, ...]) -> str:
+    """The tables of ``dtypes`` whose dtype is not in ``allowed``, as ``'t' (dtype)``
+    joined by commas in name order; empty when every table's dtype is allowed."""
+    refused = {n: d for n, d in dtypes.items() if d not in allowed}
+    return ", ".join(f"{n!r} ({d})" for n, d in sorted(refused.items(), key=str))
+
+
 def quantized_copy(
     module: KVEmbeddingBagCollection | KVEmbeddingCollection,
     dtypes: dict[str, torch.dtype],
@@ -91,9 +98,8 @@ def quantized_copy(
     ``QuantKVEmbeddingCollection``, in eval mode) whose tables store every id of
     ``module``'s (memory and SSD tiers) with its row in ``dtypes[table]``, one of
     ``QUANT_ROW_DTYPES``; other dtypes are refused, naming the tables."""
-    refused = {n: d for n, d in dtypes.items() if d not in QUANT_ROW_DTYPES}
-    if refused:
-        names = ", ".join(f"{n!r} ({d})" for n, d in sorted(refused.items(), key=str))
+    names = _refused_names(dtypes, QUANT_ROW_DTYPES)
+    if names:
         raise ValueError(
             f"{type(module).__name__}: KV table(s) {names} cannot be quantized to that "
             "dtype: a KV table's rows are float32, float16 or bfloat16. Pass "
@@ -135,9 +141,8 @@ def _from_float(module: nn.Module) -> nn.Module:
         dtypes = requested_dtypes(module)
         if all(d in QUANT_ROW_DTYPES for d in dtypes.values()):
             return quantized_copy(module, dtypes)
-        refused = {n: d for n, d in dtypes.items() if d not in INT8_ROW_DTYPES}
-        if refused:
-            names = ", ".join(f"{n!r} ({d})" for n, d in sorted(refused.items(), key=str))
+        names = _refused_names(dtypes, INT8_ROW_DTYPES)
+        if names:
             raise ValueError(
                 f"{type(module).__name__}: KV table(s) {names} cannot be quantized to "
                 "that dtype: KV tables quantize to torch.int8, torch.float16 or "
