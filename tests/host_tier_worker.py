@@ -16,7 +16,6 @@ world size 1.
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -28,7 +27,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import ParameterConstraints
 
 from tests.sharding import dist_worker as base
-from tests.torchrun_jobs import Tally, gather, gloo_job, run_scenarios
+from tests.torchrun_jobs import Tally, gather, scenarios_main
 from torchrec_kvemb import (
     HostTierOptions,
     KVEmbeddingBagCollection,
@@ -99,11 +98,5 @@ def host_tier_scenario() -> dict:
 SCENARIOS = {"host_tier_row_wise": host_tier_scenario}
 
 
-def main() -> None:
-    with gloo_job():
-        run_scenarios(sys.argv[1], SCENARIOS)
-
-
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    scenarios_main(SCENARIOS)

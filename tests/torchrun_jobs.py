@@ -119,6 +119,14 @@ def run_scenarios(out_path: str, scenarios: dict[str, Callable[[], dict]]) -> No
         write_result(out_path, results)
 
 
+def scenarios_main(scenarios: dict[str, Callable[[], dict]]) -> None:
+    """A scenario job's entry point: ``python -m <job> OUT_JSON [WORK_DIR]`` on every
+    rank runs ``scenarios`` in one gloo job (:func:`run_scenarios`)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with gloo_job():
+        run_scenarios(sys.argv[1], scenarios)
+
+
 def gather(obj: Any) -> list:
     """``obj`` of every rank, in rank order (``[obj]`` without a process group)."""
     if not dist.is_initialized():

@@ -39,7 +39,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tests.sharding import dist_worker as bags
 from tests.sharding import ec_dist_worker as ec
-from tests.torchrun_jobs import Tally, gloo_job, run_scenarios
+from tests.torchrun_jobs import Tally, scenarios_main
 from torchrec_kvemb import (
     KVEmbeddingBagCollection,
     KVEmbeddingBagCollectionSharder,
@@ -343,11 +343,5 @@ SCENARIOS: dict[str, Callable[[], dict]] = {
 }
 
 
-def main() -> None:
-    with gloo_job():
-        run_scenarios(sys.argv[1], SCENARIOS)
-
-
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    scenarios_main(SCENARIOS)

@@ -17,8 +17,6 @@ is grown to its maximum (its content rehashed), whose capacity
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import replace
 
 import torch.distributed as dist
@@ -27,7 +25,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import ParameterConstraints
 
 from tests.sharding import dist_worker as base
-from tests.torchrun_jobs import Tally, gather, gloo_job, run_scenarios
+from tests.torchrun_jobs import Tally, gather, scenarios_main
 from torchrec_kvemb import KVEmbeddingBagCollection, KVEmbeddingBagCollectionSharder
 
 STEPS = 6
@@ -76,11 +74,5 @@ SCENARIOS = {
 }
 
 
-def main() -> None:
-    with gloo_job():
-        run_scenarios(sys.argv[1], SCENARIOS)
-
-
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    scenarios_main(SCENARIOS)

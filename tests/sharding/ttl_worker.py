@@ -13,8 +13,6 @@ collection's, and the ranks' ``ttl_evictions`` add up to its own.
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import replace
 
 import torch.distributed as dist
@@ -23,7 +21,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import ParameterConstraints
 
 from tests.sharding import dist_worker as base
-from tests.torchrun_jobs import Tally, gather, gloo_job, run_scenarios
+from tests.torchrun_jobs import Tally, gather, scenarios_main
 from torchrec_kvemb import KVEmbeddingBagCollection, KVEmbeddingBagCollectionSharder
 from torchrec_kvemb.options import TTLOptions
 
@@ -73,11 +71,5 @@ SCENARIOS = {
 }
 
 
-def main() -> None:
-    with gloo_job():
-        run_scenarios(sys.argv[1], SCENARIOS)
-
-
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    scenarios_main(SCENARIOS)

@@ -39,7 +39,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
-from tests.torchrun_jobs import Tally, gather, gloo_job, run_scenarios
+from tests.torchrun_jobs import Tally, gather, scenarios_main
 from torchrec_kvemb import (
     KVEmbeddingBagCollectionSharder,
     KVEmbeddingCollectionSharder,
@@ -202,11 +202,5 @@ SCENARIOS: dict[str, Callable[[], dict]] = {
 }
 
 
-def main() -> None:
-    with gloo_job():
-        run_scenarios(sys.argv[1], SCENARIOS)
-
-
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    scenarios_main(SCENARIOS)
