@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -40,10 +40,9 @@ from torchrec.distributed.embedding_sharding import (
     BaseSparseFeaturesDist,
     EmbeddingShardingContext,
 )
-from torchrec.distributed.embedding_types import BaseGroupedFeatureProcessor
 from torchrec.distributed.sharding.rw_sequence_sharding import RwSequenceEmbeddingDist
 from torchrec.distributed.sharding.sequence_sharding import SequenceShardingContext
-from torchrec.distributed.types import Awaitable, ShardingType
+from torchrec.distributed.types import Awaitable
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -206,6 +205,9 @@ class KVRwDedupPooledEmbeddingSharding(KVRwPooledEmbeddingSharding):
         sharding = KVRwDedupPooledEmbeddingSharding(sharding_infos, env, device, specs=specs)
     """
 
+    # Owners send rows, not sums: the sequence lookup; bags pool on their own rank.
+    kv_lookup_class: ClassVar[type[BaseEmbeddingLookup]] = KVGroupedEmbeddingsLookup
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         tables = self.embedding_tables()
@@ -226,24 +228,6 @@ class KVRwDedupPooledEmbeddingSharding(KVRwPooledEmbeddingSharding):
             for _ in range(t.num_features())
         ]
         return KVDedupBagFeaturesDist(self._pg, num_buckets, table_labels(tables))
-
-    def create_lookup(
-        self,
-        device: torch.device | None = None,
-        fused_params: dict[str, Any] | None = None,
-        feature_processor: BaseGroupedFeatureProcessor | None = None,
-    ) -> BaseEmbeddingLookup:
-        if feature_processor is not None:
-            raise ValueError("KV tables: feature processors are not supported yet")
-        return KVGroupedEmbeddingsLookup(
-            self._kv_specs,
-            num_shards=self.kv_num_shards(),
-            grouped_configs=self._grouped_embedding_configs,
-            pg=self._pg,
-            device=device if device is not None else self._device,
-            env=self._env,
-            sharding_type=ShardingType.ROW_WISE,
-        )
 
     def create_output_dist(self, device: torch.device | None = None) -> KVDedupBagOutputDist:
         tables = self.embedding_tables()
