@@ -10,7 +10,6 @@ its rows survive a state-dict round trip into a table that starts small again.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import pytest
@@ -19,7 +18,7 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from tests.torchrun_jobs import read_result, run_job, torchrun_command
+from tests.torchrun_jobs import assert_scenarios_passed, read_result, run_job, torchrun_command
 from torchrec_kvemb import EvictionPolicy, KVEmbeddingBagCollection, KVTableOptions, SSDOptions
 from torchrec_kvemb.backend import ENV_VAR
 from torchrec_kvemb.memory import table_memory
@@ -268,10 +267,7 @@ def test_sharded_tables_grow_as_the_unsharded_one(tmp_path):
     result_path = tmp_path / "result.json"
     job = run_job(torchrun_command(2, "-m", "tests.sharding.growth_worker", str(result_path)))
     result = read_result(result_path, job)
-    assert set(result["scenarios"]) == {"growth_row_wise", "growth_table_wise"}
-    failed = {n: r for n, r in result["scenarios"].items() if not r["passed"]}
-    assert not failed, json.dumps(failed, indent=1)
-    assert job.returncode == 0, job.stderr[-6000:]
+    assert_scenarios_passed(result, job, {"growth_row_wise", "growth_table_wise"})
 
 
 def test_a_grown_collection_quantizes_for_inference():

@@ -13,7 +13,6 @@ the removed ones; so a row freed too early or too late, or the wrong row, fails.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import pytest
@@ -21,7 +20,7 @@ import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from tests.torchrun_jobs import read_result, run_job, torchrun_command
+from tests.torchrun_jobs import assert_scenarios_passed, read_result, run_job, torchrun_command
 from torchrec_kvemb import EvictionPolicy, KVEmbeddingBagCollection, KVTableOptions, checkpoint
 from torchrec_kvemb.backend import ENV_VAR
 from torchrec_kvemb.group import KVTableGroup
@@ -357,7 +356,4 @@ def test_sharded_ttl_tables_free_as_the_unsharded_one(tmp_path):
     result_path = tmp_path / "result.json"
     job = run_job(torchrun_command(2, "-m", "tests.sharding.ttl_worker", str(result_path)))
     result = read_result(result_path, job)
-    assert set(result["scenarios"]) == {"ttl_row_wise", "ttl_table_wise"}
-    failed = {n: r for n, r in result["scenarios"].items() if not r["passed"]}
-    assert not failed, json.dumps(failed, indent=1)
-    assert job.returncode == 0, job.stderr[-6000:]
+    assert_scenarios_passed(result, job, {"ttl_row_wise", "ttl_table_wise"})

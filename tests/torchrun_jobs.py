@@ -83,6 +83,15 @@ def read_result(path: Path, job: subprocess.CompletedProcess) -> dict:
     return result
 
 
+def assert_scenarios_passed(result: dict, job: subprocess.CompletedProcess, names: set) -> None:
+    """Every scenario of a :func:`run_scenarios` job passed, the job ran exactly
+    ``names``, and it exited cleanly."""
+    failed = {n: r for n, r in result["scenarios"].items() if not r["passed"]}
+    assert not failed, json.dumps(failed, indent=1)
+    assert set(result["scenarios"]) == set(names)
+    assert job.returncode == 0, job.stderr[-6000:]
+
+
 # -------------------------------------------------------------- rank side
 @contextmanager
 def gloo_job() -> Iterator[None]:

@@ -3,14 +3,12 @@ training with it against the same sharding without it and the unsharded module
 (one torchrun job, ``dedup_worker``): sequences row-wise and table-wise, bags row-wise
 unweighted and weighted (SUM and MEAN tables)."""
 
-import json
-
 import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tests.sharding import dedup_worker as worker
-from tests.torchrun_jobs import read_result, run_job, torchrun_command
+from tests.torchrun_jobs import assert_scenarios_passed, read_result, run_job, torchrun_command
 from torchrec_kvemb import (
     KVEmbeddingBagCollectionSharder,
     KVEmbeddingCollectionSharder,
@@ -112,7 +110,4 @@ def test_sharded_training_with_dedup_matches_without_and_unsharded(tmp_path):
         torchrun_command(2, "-m", "tests.sharding.dedup_worker", str(result_path), str(tmp_path))
     )
     result = read_result(result_path, job)
-    failed = {n: r for n, r in result["scenarios"].items() if not r["passed"]}
-    assert not failed, json.dumps(failed, indent=1)
-    assert set(result["scenarios"]) == set(worker.SCENARIOS)
-    assert job.returncode == 0, job.stderr[-6000:]
+    assert_scenarios_passed(result, job, set(worker.SCENARIOS))

@@ -3,10 +3,8 @@ tables (bags row-wise with and without ``use_index_dedup``, sequences table-wise
 2 gloo ranks): prefetch hits on every tiered table under the pipeline, outputs and
 rows equal the plain loop's (``prefetch_worker``)."""
 
-import json
-
 from tests.ssd import prefetch_worker as worker
-from tests.torchrun_jobs import read_result, run_job, torchrun_command
+from tests.torchrun_jobs import assert_scenarios_passed, read_result, run_job, torchrun_command
 
 
 def test_prefetch_pipeline_reaches_every_tiered_table(tmp_path):
@@ -15,7 +13,4 @@ def test_prefetch_pipeline_reaches_every_tiered_table(tmp_path):
         torchrun_command(2, "-m", "tests.ssd.prefetch_worker", str(result_path), str(tmp_path))
     )
     result = read_result(result_path, job)
-    failed = {n: r for n, r in result["scenarios"].items() if not r["passed"]}
-    assert not failed, json.dumps(failed, indent=1)
-    assert set(result["scenarios"]) == set(worker.SCENARIOS)
-    assert job.returncode == 0, job.stderr[-6000:]
+    assert_scenarios_passed(result, job, set(worker.SCENARIOS))
