@@ -22,16 +22,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torchrec import EmbeddingBagCollection
-from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.planner import ParameterConstraints
 
 from tests.sharding import dist_worker as base
 from tests.torchrun_jobs import Tally, gather, scenarios_main
 from torchrec_kvemb import (
     HostTierOptions,
-    KVEmbeddingBagCollection,
-    KVEmbeddingBagCollectionSharder,
     checkpoint,
 )
 from torchrec_kvemb.options import WAYS
@@ -63,20 +58,9 @@ def merged_exports(local: dict) -> dict[str, dict[str, torch.Tensor]]:
 
 def host_tier_scenario() -> dict:
     out_dir = Path(sys.argv[2])
-    configs = base.kv_configs(2**40)
-    sharder = KVEmbeddingBagCollectionSharder(TIERED, fused_params=base.ADAGRAD)
-    model = base.EBCModel(EmbeddingBagCollection(configs, device=base.META))
-    constraints = {name: ParameterConstraints(sharding_types=[base.RW]) for name in TIERED}
-    plan = base.planned(model, [sharder], constraints)
-    dmp = DistributedModelParallel(model, device=base.CPU, plan=plan, sharders=[sharder])
-    ref = KVEmbeddingBagCollection(configs, REFERENCE, fused_params=base.ADAGRAD)
+    dmp, ref = base.sharded_twin(TIERED, REFERENCE, base.RW, base.ADAGRAD)
     tally = Tally(base.TOL)
-    keys = ["u1", "u2", "i"]
-    pools = base.id_pools(2**62)
-    dims = {"u1": 8, "u2": 8, "i": 4, "sa": 4, "sb": 8}  # global_batch draws every pool
-    for step in range(STEPS):
-        batch = base.global_batch(step, dist.get_world_size(), pools, dims)
-        base.train_step(dmp, ref, batch, keys, False, tally)
+    base.train_twins(dmp, ref, STEPS, tally)
     local = dmp.module.ebc.kv_tables()
     moved = gather({n: t.metrics()["host_size"] for n, t in local.items()})
     for name in TIERED:

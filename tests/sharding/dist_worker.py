@@ -265,6 +265,34 @@ def train_step(model, ref, batch: GlobalBatch, keys, weighted, tally, step_hook=
     ref_loss.backward()
 
 
+#: The bag features the training twins read, and the dims of every pool
+#: ``global_batch`` draws.
+TWIN_KEYS = ["u1", "u2", "i"]
+TWIN_DIMS = {"u1": 8, "u2": 8, "i": 4, "sa": 4, "sb": 8}
+
+
+def sharded_twin(
+    options: dict, ref_options: dict, sharding: str, fused: dict
+) -> tuple[DistributedModelParallel, KVEmbeddingBagCollection]:
+    """An EBC on meta whose ``options`` tables are KV, sharded ``sharding`` by a
+    constrained stock planner, and its unsharded KV twin of ``ref_options``."""
+    configs = kv_configs(2**40)
+    sharder = KVEmbeddingBagCollectionSharder(options, fused_params=fused)
+    model = EBCModel(EmbeddingBagCollection(configs, device=META))
+    constraints = {name: ParameterConstraints(sharding_types=[sharding]) for name in options}
+    plan = planned(model, [sharder], constraints)
+    dmp = DistributedModelParallel(model, device=CPU, plan=plan, sharders=[sharder])
+    return dmp, KVEmbeddingBagCollection(configs, ref_options, fused_params=fused)
+
+
+def train_twins(dmp, ref: KVEmbeddingBagCollection, steps: int, tally: Tally) -> None:
+    """``steps`` global batches through both twins (``train_step``)."""
+    pools = id_pools(2**62)
+    for step in range(steps):
+        batch = global_batch(step, dist.get_world_size(), pools, TWIN_DIMS)
+        train_step(dmp, ref, batch, TWIN_KEYS, False, tally)
+
+
 def kv_scenario(
     sharding: str, fused: dict, weighted: bool = False, lr_schedule: dict | None = None
 ) -> Callable[[], dict]:

@@ -19,14 +19,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch.distributed as dist
-from torchrec import EmbeddingBagCollection
-from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.planner import ParameterConstraints
-
 from tests.sharding import dist_worker as base
 from tests.torchrun_jobs import Tally, gather, scenarios_main
-from torchrec_kvemb import KVEmbeddingBagCollection, KVEmbeddingBagCollectionSharder
 
 STEPS = 6
 OPTIONS = {
@@ -37,23 +31,12 @@ OPTIONS = {
 
 def growth_scenario(sharding: str, fused: dict):
     def run() -> dict:
-        configs = base.kv_configs(2**40)
-        sharder = KVEmbeddingBagCollectionSharder(OPTIONS, fused_params=fused)
-        model = base.EBCModel(EmbeddingBagCollection(configs, device=base.META))
-        constraints = {name: ParameterConstraints(sharding_types=[sharding]) for name in OPTIONS}
-        plan = base.planned(model, [sharder], constraints)
-        dmp = DistributedModelParallel(model, device=base.CPU, plan=plan, sharders=[sharder])
+        dmp, ref = base.sharded_twin(OPTIONS, base.OPTIONS, sharding, fused)
         sharded = dmp.module.ebc
-        ref = KVEmbeddingBagCollection(configs, base.OPTIONS, fused_params=fused)
         tally = Tally(base.TOL)
         local = sharded.kv_tables()
         tally.check("shards start small", all(t.capacity < t.max_capacity for t in local.values()))
-        keys = ["u1", "u2", "i"]
-        pools = base.id_pools(2**62)
-        dims = {"u1": 8, "u2": 8, "i": 4, "sa": 4, "sb": 8}
-        for step in range(STEPS):
-            batch = base.global_batch(step, dist.get_world_size(), pools, dims)
-            base.train_step(dmp, ref, batch, keys, False, tally)
+        base.train_twins(dmp, ref, STEPS, tally)
         parts = gather({n: t.metrics()["growths"] for n, t in local.items()})
         for table in local.values():  # to its maximum, which compare_tables checks
             table.grow(table.max_capacity)

@@ -15,14 +15,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch.distributed as dist
-from torchrec import EmbeddingBagCollection
-from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.planner import ParameterConstraints
-
 from tests.sharding import dist_worker as base
 from tests.torchrun_jobs import Tally, gather, scenarios_main
-from torchrec_kvemb import KVEmbeddingBagCollection, KVEmbeddingBagCollectionSharder
 from torchrec_kvemb.options import TTLOptions
 
 STEPS = 6
@@ -35,21 +29,10 @@ OPTIONS = {
 
 def ttl_scenario(sharding: str, fused: dict):
     def run() -> dict:
-        configs = base.kv_configs(2**40)
-        sharder = KVEmbeddingBagCollectionSharder(OPTIONS, fused_params=fused)
-        model = base.EBCModel(EmbeddingBagCollection(configs, device=base.META))
-        constraints = {name: ParameterConstraints(sharding_types=[sharding]) for name in OPTIONS}
-        plan = base.planned(model, [sharder], constraints)
-        dmp = DistributedModelParallel(model, device=base.CPU, plan=plan, sharders=[sharder])
+        dmp, ref = base.sharded_twin(OPTIONS, OPTIONS, sharding, fused)
         sharded = dmp.module.ebc
-        ref = KVEmbeddingBagCollection(configs, OPTIONS, fused_params=fused)
         tally = Tally(base.TOL)
-        keys = ["u1", "u2", "i"]
-        pools = base.id_pools(2**62)
-        dims = {"u1": 8, "u2": 8, "i": 4, "sa": 4, "sb": 8}
-        for step in range(STEPS):
-            batch = base.global_batch(step, dist.get_world_size(), pools, dims)
-            base.train_step(dmp, ref, batch, keys, False, tally)
+        base.train_twins(dmp, ref, STEPS, tally)
         base.compare_tables(tally, sharded, ref, {n: sharding for n in OPTIONS})
         local = {n: t.metrics()["ttl_evictions"] for n, t in sharded.kv_tables().items()}
         parts = gather(local)

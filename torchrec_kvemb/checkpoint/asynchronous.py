@@ -31,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import threading
@@ -147,10 +148,8 @@ def start(path: str, write: Callable[[], None]) -> AsyncCheckpoint:
 def lowest_priority() -> None:
     """Run the calling thread (and the threads it starts) at the lowest CPU
     priority, where the OS allows it (Linux: a thread's own nice value)."""
-    try:
+    with contextlib.suppress(AttributeError, OSError):  # refused: normal priority
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass
 
 
 def wait_previous(raise_failure: bool) -> None:
