@@ -321,9 +321,15 @@ def test_bad_ttl_options_are_refused(ttl, message):
         TTLOptions(**ttl)
 
 
-def test_ttl_with_a_lower_tier_or_a_growing_lfu_table_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="ttl with a lower tier"):
-        KVTableOptions(capacity=64, ttl=TTLOptions(steps=2), ssd=SSDOptions(str(tmp_path)))
+def test_ttl_over_a_tier_of_another_policy_or_a_growing_lfu_table_is_refused(tmp_path):
+    # tests/test_tiered_ttl.py: an LRU table's TTL over lower tiers
+    with pytest.raises(ValueError, match="ttl with a lower tier .* needs eviction=LRU"):
+        KVTableOptions(
+            capacity=64,
+            eviction=EvictionPolicy.LFU,
+            ttl=TTLOptions(steps=2),
+            ssd=SSDOptions(str(tmp_path)),
+        )
     with pytest.raises(ValueError, match="needs eviction=LRU"):
         KVTableOptions(
             capacity=64,

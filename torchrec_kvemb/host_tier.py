@@ -56,7 +56,7 @@ import torch
 from torchrec_kvemb import dispatch
 from torchrec_kvemb.options import WAYS, EvictionPolicy, HostTierOptions
 from torchrec_kvemb.slot_index import INDEX_BYTES_PER_SLOT, INITIAL_BUCKETS, SlotIndex
-from torchrec_kvemb.tier import TIER_COUNTERS, LowerTier, RestoredRows
+from torchrec_kvemb.tier import TIER_COUNTERS, LowerTier, RestoredRows, sweep_window
 
 #: ``lookup`` gives the SSD tier's slots plus this offset (host slots stay below it).
 LOWER_SLOT_OFFSET = 1 << 48
@@ -150,6 +150,7 @@ class HostTier(LowerTier):
         self._scores = torch.empty(0, dtype=torch.int64)
         self._free = torch.empty(0, dtype=torch.int64)
         self._free_count = 0
+        self._sweep_cursor = 0  # the next slot a TTL sweep reads (``expire``)
         self._grow(self._capacity if bounded else MIN_RECORDS)
 
     # ------------------------------------------------------------- records
@@ -395,6 +396,23 @@ class HostTier(LowerTier):
             self._index.remove(mine)
         if below.numel():
             self.lower.remove(slots[below] - LOWER_SLOT_OFFSET)
+
+    def expire(self, cutoff: int, part: int, parts: int) -> int:
+        """``LowerTier.expire``: the host rows of the window whose memory score (kept
+        beside each record) is at or below ``cutoff`` leave the tier; then the tier
+        below sweeps its own share."""
+        self._check_open()
+        window, self._sweep_cursor = sweep_window(
+            self._sweep_cursor, self._index.slots, part, parts
+        )
+        live = window[self._index.ids_at(window) >= 0]
+        records = self._index.records_at(live)
+        expired = live[self._scores[records] <= cutoff]
+        self.remove(expired)
+        freed = expired.numel()
+        if self.lower is not None:
+            freed += self.lower.expire(cutoff, part, parts)
+        return freed
 
     # ----------------------------------------------------------- durability
     def read_restored(self) -> RestoredRows | None:

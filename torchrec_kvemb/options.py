@@ -297,10 +297,17 @@ class KVTableOptions:
             return
         if not isinstance(self.ttl, TTLOptions):
             raise TypeError(f"KVTableOptions: ttl must be a TTLOptions, got {self.ttl!r}")
-        if self.tiered:
+        if self.tiered and self.eviction != EvictionPolicy.LRU:
             raise ValueError(
-                "KVTableOptions: ttl with a lower tier (ssd / host_tier) is not supported "
-                "(the sweep frees rows of the table's own memory only); drop one"
+                "KVTableOptions: ttl with a lower tier (ssd / host_tier) needs "
+                "eviction=LRU, whose scores are the rows' last steps and move with them "
+                f"between the tiers; got {self.eviction.name}"
+            )
+        if self.ssd is not None and self.ssd.eviction != EvictionPolicy.LRU:
+            raise ValueError(
+                "KVTableOptions: ttl with an SSD tier needs SSDOptions(eviction=LRU), "
+                "whose index keeps the rows' last steps for the sweep; got "
+                f"{self.ssd.eviction.name}"
             )
         if self.initial_capacity is not None and self.eviction != EvictionPolicy.LRU:
             raise ValueError(

@@ -57,6 +57,18 @@ TIER_COUNTERS = (
 TIER_METRICS = (*TIER_COUNTERS, "scratch_rows", "ssd_size", "host_size")
 
 
+def sweep_window(cursor: int, slots: int, part: int, parts: int) -> tuple[torch.Tensor, int]:
+    """The slots a tier of ``slots`` slots sweeps for ``LowerTier.expire`` from its
+    ``cursor``: ``ceil(slots * part / parts)`` of them (every slot when ``part >=
+    parts``), wrapping; and the cursor after them."""
+    if slots == 0:
+        return torch.empty(0, dtype=torch.int64), 0
+    count = slots if part >= parts else min(slots, -(-slots * part // parts))
+    start = cursor % slots
+    window = torch.arange(start, start + count, dtype=torch.int64) % slots
+    return window, (start + count) % slots
+
+
 class RestoredRows(NamedTuple):
     """The memory rows a previous run's last ``flush`` left (``LowerTier.read_restored``)."""
 
@@ -158,6 +170,15 @@ class LowerTier(ABC):
     def remove(self, slots: torch.Tensor) -> None:
         """Take the ids at ``slots`` out of the tier (promoted to memory, or
         overwritten there)."""
+
+    @abstractmethod
+    def expire(self, cutoff: int, part: int, parts: int) -> int:
+        """The TTL sweep of the tier (a TTL table over it, docs/tiers.md): free the
+        rows whose memory score (an LRU table's: the step it last saw the row) is
+        at or below ``cutoff`` among the next ``part / parts`` of the tier's slots
+        from its own cursor, which then moves on and wraps (``part >= parts``: every
+        slot), and sweep the tier below likewise. Costs the slots swept. Returns
+        the rows freed here and below."""
 
     # ------------------------------------------------------------- durability
     @abstractmethod

@@ -254,6 +254,8 @@ class TieredKVTable(KVTable, serves_ssd=True):
             at = torch.searchsorted(pad, found[from_ssd])
             rows[at], scores[at] = ssd_rows[from_ssd].to(rows.dtype), promoted_scores[from_ssd]
             slots_u[pad] = self.write_scratch(rows, uniq[pad], scores)
+        if self.ttl is not None:  # sweeps the memory rows and every lower tier
+            self.ttl.after_lookup(slots_u, counts)
         return slots_u[inverse]
 
     def lookup_train_rows(

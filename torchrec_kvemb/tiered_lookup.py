@@ -14,7 +14,8 @@ native group kernel per step, whatever the number of tables:
    promoted rows leave the tier (``tier.remove``) and take their memory slots
    (``promote``), new rows get their initial values, and ids without a memory
    row (a bucket full of the batch's ids) get scratch rows (``write_scratch``,
-   ``ssd/scratch.py``).
+   ``ssd/scratch.py``); a TTL table then sweeps its memory rows and its
+   tiers (``TableTTL.sweep``).
 
 Only public methods of the tables and of their tiers (``tier.LowerTier``) are
 used: the tables are ``TieredKVTable``s (typed by their base, ``KVTable``:
@@ -207,6 +208,9 @@ def lookup_train_tiers(
         pad, pad_ids, pad_rows = padded
         local = tables[t].write_scratch(pad_rows, pad_ids, out.unique_scores[pad])
         slots_u[pad] = local + row_offsets[t]
+    for table in tables:  # TTL tables (LRU: scores are last steps) sweep every tier
+        if table.ttl is not None:
+            table.ttl.sweep()
     if not any_pad:
         return GroupLookup(out.slots, unique_index, out.unique_slots, owner)
     slots = torch.where(theirs, slots_u[unique_index.clamp(min=0)], -1)

@@ -288,6 +288,10 @@ class TableTTL:
             windows.append((0, end - buckets))
         for lo, hi in windows:
             self._free(lo, hi, cutoff)
+        tier = self.table.tier
+        if tier is not None:  # the same share of every lower tier (docs/tiers.md)
+            freed = tier.expire(int(cutoff), end - start, buckets)
+            self._count_freed(freed)
 
     def _free(self, lo: int, hi: int, cutoff: torch.Tensor | int) -> None:
         keys = self.table.index.keys[lo:hi]
@@ -296,7 +300,9 @@ class TableTTL:
         self.table.index.scores[lo:hi].masked_fill_(expired, 0)
         if self.counting:  # the id may come back to the same slot: it starts again
             self._counts()[1][lo * WAYS : hi * WAYS].masked_fill_(expired.view(-1), -1)
-        freed = expired.sum()
+        self._count_freed(expired.sum())
+
+    def _count_freed(self, freed: torch.Tensor | int) -> None:
         if self.table.device_metrics is not None:  # a group's counters: no host sync
             self.table.device_metrics[TTL_COLUMN] += freed
         else:

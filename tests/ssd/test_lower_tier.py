@@ -78,6 +78,9 @@ class ContractOnly(LowerTier):
     def remove(self, slots):
         return self._call("remove", slots)
 
+    def expire(self, cutoff, part, parts):
+        return self._call("expire", cutoff, part, parts)
+
     def read_restored(self):
         return self._call("read_restored")
 

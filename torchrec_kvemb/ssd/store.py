@@ -59,7 +59,7 @@ from torchrec_kvemb.options import WAYS, EvictionPolicy, SSDOptions
 from torchrec_kvemb.slot_index import INITIAL_BUCKETS, SlotIndex
 from torchrec_kvemb.ssd.prefetch import Prefetcher
 from torchrec_kvemb.ssd.slab import KVStorageError, Slab, fsync_fd, fsync_path, storage_error
-from torchrec_kvemb.tier import TIER_COUNTERS, LowerTier, RestoredRows
+from torchrec_kvemb.tier import TIER_COUNTERS, LowerTier, RestoredRows, sweep_window
 
 INDEX_FORMAT = 1
 #: Records the slab grows by at least, and half its size (why: each growth maps
@@ -128,6 +128,7 @@ class SSDStore(LowerTier):
         self._prefetcher = Prefetcher(table)
         self._closed = False
         self._write_generation = 0
+        self._sweep_cursor = 0  # the next index slot a TTL sweep reads (``expire``)
         try:
             self._index = SlotIndex(self._initial_buckets(), stash=options.capacity is None)
             self._reset_records(torch.zeros(self.slab.records, dtype=torch.bool))
@@ -360,6 +361,21 @@ class SSDStore(LowerTier):
             return
         self._release(self._index.records_at(slots))
         self._index.remove(slots)
+
+    def expire(self, cutoff: int, part: int, parts: int) -> int:
+        """``LowerTier.expire``: the rows of the window whose index score is at or below
+        ``cutoff`` are removed (records freed as ``remove`` frees them). The index
+        scores are the memory scores of an LRU table's rows under an LRU SSD tier,
+        the only TTL tables over an SSD tier (``KVTableOptions``), so no record is
+        read."""
+        self._check_open()
+        window, self._sweep_cursor = sweep_window(
+            self._sweep_cursor, self._index.slots, part, parts
+        )
+        live = window[self._index.ids_at(window) >= 0]
+        expired = live[self._index.scores_at(live) <= cutoff]
+        self.remove(expired)
+        return expired.numel()
 
     # ----------------------------------------------------------------- rows
     def fetch(
