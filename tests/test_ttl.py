@@ -28,6 +28,7 @@ from torchrec_kvemb.options import WAYS, SSDOptions, TTLOptions
 from torchrec_kvemb.sharding.planner import kv_table_bytes
 from torchrec_kvemb.state_dict.rows import TableRows, restore_table, table_state
 from torchrec_kvemb.table import KVTable
+from torchrec_kvemb.ttl import LAST_SEEN_KEY
 
 BUCKETS = 2  # 32 rows: the stream's 64 ids overflow them (capacity eviction)
 STEPS = 13
@@ -241,56 +242,113 @@ def _kjt(ids: torch.Tensor) -> KeyedJaggedTensor:
     return KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.ones_like(ids, dtype=torch.int32))
 
 
-def test_state_dict_round_trip_keeps_the_last_steps_of_an_lru_table():
-    ebc, other = _ebc(EvictionPolicy.LRU), _ebc(EvictionPolicy.LRU)
-    stream = [b[0] for b in _stream(11, 1)]
-    for ids in stream[:6]:
-        ebc(_kjt(ids))
-    other.load_state_dict(ebc.state_dict())
-    a, b = ebc.table("t"), other.table("t")
+POLICIES = [EvictionPolicy.LRU, EvictionPolicy.LFU, EvictionPolicy.NONE]
+
+
+def _train_on(saved, loaded, stream, first_step: int) -> None:
+    """Both models train on ``stream``: at every step they hold the same ids and the
+    sweep frees as many rows in each."""
+    a, b = saved.table("t"), loaded.table("t")
     assert b.step == a.step
-    for s, ids in enumerate(stream[6:], start=7):
-        ebc(_kjt(ids))
-        other(_kjt(ids))
+    freed = b.metrics()["ttl_evictions"] - a.metrics()["ttl_evictions"]
+    for s, ids in enumerate(stream, start=first_step):
+        saved(_kjt(ids))
+        loaded(_kjt(ids))
         assert torch.equal(a.export()["ids"], b.export()["ids"]), f"step {s}"
+        now = b.metrics()["ttl_evictions"] - a.metrics()["ttl_evictions"]
+        assert now == freed, f"step {s}: the loaded table freed other rows"
     assert a.metrics()["ttl_evictions"] > 0
 
 
-def test_a_loaded_table_of_another_policy_counts_its_rows_seen_at_the_load():
-    # an LFU table's scores are counts: the last steps of its rows are not saved, and a
-    # load counts every row it restores as seen at the restored step
-    options = replace(_options(EvictionPolicy.LFU, 1, 3, 99), capacity=8 * WAYS)
-    table = KVTable("t", 3, options)
-    for ids in [b[0] for b in _stream(13, 1)][:5]:
-        table.lookup_train(ids)
-    saved = table_state(table)
-    loaded = KVTable("u", 3, options)
-    step = tuple(saved["step"].tolist())
-    rows = TableRows(saved["weight_id"], saved["weight"], saved["weight_score"], step=step)
-    restore_table(loaded, rows)
-    held = set(loaded.export()["ids"].tolist())
-    assert held == set(saved["weight_id"].tolist()) and loaded.step == 5
-    loaded.lookup_train(torch.tensor([1]))  # steps 6, 7: nothing is 3 steps old
-    loaded.lookup_train(torch.tensor([1]))
-    assert set(loaded.export()["ids"].tolist()) == held | {1}
-    loaded.lookup_train(torch.tensor([1]))  # step 8: every loaded row but 1's expires
-    assert set(loaded.export()["ids"].tolist()) == {1}
-    assert loaded.metrics()["ttl_evictions"] == len(held - {1})
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
+def test_state_dict_round_trip_keeps_the_last_steps(policy):
+    ebc, other = _ebc(policy), _ebc(policy)
+    stream = [b[0] for b in _stream(11, 1)]
+    for ids in stream[:6]:
+        ebc(_kjt(ids))
+    state = ebc.state_dict()
+    # an LRU table's last steps are its scores; any other policy saves them beside
+    assert (LAST_SEEN_KEY.join(["t.", ""]) in "".join(state)) == (policy != EvictionPolicy.LRU)
+    other.load_state_dict(state)
+    _train_on(ebc, other, stream[6:], 7)
 
 
 @pytest.mark.parametrize("target", ["fresh", "trained"])
-def test_a_checkpoint_load_counts_an_lfu_tables_rows_seen_at_the_restored_step(tmp_path, target):
+@pytest.mark.parametrize("policy", POLICIES[1:], ids=lambda p: p.name)
+def test_a_checkpoint_round_trip_keeps_the_last_steps(tmp_path, policy, target):
     # checkpoint.load places rows without load_rows; a trained target holds last steps
-    # above the restored step, a fresh one zeros: both must give way to the restored step
+    # above the restored step, a fresh one zeros: both take the saved ones
+    source, loaded = _ebc(policy), _ebc(policy)
+    stream = [b[0] for b in _stream(17, 1)]
+    for ids in stream[:5]:
+        source(_kjt(ids))
+    checkpoint.save(source, tmp_path / "ckpt")
+    if target == "trained":
+        for ids in stream[5:11]:
+            loaded(_kjt(ids))
+    checkpoint.load(loaded, tmp_path / "ckpt")
+    _train_on(source, loaded, stream[5:], 6)
+
+
+def test_a_table_of_custom_scores_keeps_its_last_steps_through_load_rows():
+    options = replace(_options(EvictionPolicy.CUSTOM_SCORE, 1, 3, 99), capacity=8 * WAYS)
+    table, loaded = KVTable("t", 3, options), KVTable("u", 3, options)
+    stream = [b[0] for b in _stream(19, 1)]
+    for ids in stream[:5]:
+        table.lookup_train(ids, _custom(ids))
+    saved = table_state(table)
+    step = tuple(saved["step"].tolist())
+    rows = TableRows(saved["weight_id"], saved["weight"], saved["weight_score"], step=step)
+    restore_table(loaded, replace(rows, last_seen=saved[LAST_SEEN_KEY]))
+    before = table.metrics()["ttl_evictions"]
+    for s, ids in enumerate(stream[5:], start=6):
+        table.lookup_train(ids, _custom(ids))
+        loaded.lookup_train(ids, _custom(ids))
+        assert torch.equal(table.export()["ids"], loaded.export()["ids"]), f"step {s}"
+        freed = table.metrics()["ttl_evictions"] - before
+        assert freed == loaded.metrics()["ttl_evictions"], f"step {s}"
+    assert table.metrics()["ttl_evictions"] > before
+
+
+def _without_last_seen(state: dict) -> dict:
+    return {k: v for k, v in state.items() if not k.endswith(LAST_SEEN_KEY)}
+
+
+def test_a_state_dict_without_last_steps_warns_and_counts_its_rows_seen_at_the_load():
+    # a state_dict saved before the last steps were: every row it restores counts as
+    # seen at the restored step, with a warning naming the table
+    source, loaded = _ebc(EvictionPolicy.LFU), _ebc(EvictionPolicy.LFU)
+    for ids in [b[0] for b in _stream(13, 1)][:5]:
+        source(_kjt(ids))
+    with pytest.warns(UserWarning, match="table 't': the loaded rows have no weight_last_seen"):
+        loaded.load_state_dict(_without_last_seen(source.state_dict()))
+    table = loaded.table("t")
+    held = set(table.export()["ids"].tolist())
+    assert held == set(source.table("t").export()["ids"].tolist()) and table.step == 5
+    loaded(_kjt(torch.tensor([1])))  # steps 6, 7: nothing is 3 steps old
+    loaded(_kjt(torch.tensor([1])))
+    assert set(table.export()["ids"].tolist()) == held | {1}
+    loaded(_kjt(torch.tensor([1])))  # step 8: every loaded row but 1's expires
+    assert set(table.export()["ids"].tolist()) == {1}
+    assert table.metrics()["ttl_evictions"] == len(held - {1})
+
+
+@pytest.mark.parametrize("target", ["fresh", "trained"])
+def test_an_older_checkpoint_warns_and_counts_its_rows_seen_at_the_restored_step(
+    tmp_path, target, monkeypatch
+):
     source, loaded = _ebc(EvictionPolicy.LFU), _ebc(EvictionPolicy.LFU)
     stream = [b[0] for b in _stream(17, 1)]
     for ids in stream[:4]:
         source(_kjt(ids))
-    checkpoint.save(source, tmp_path / "ckpt")
+    with monkeypatch.context() as m:  # written as before the last steps were saved
+        m.setattr("torchrec_kvemb.state_dict.rows.uses_last_seen", lambda options: False)
+        checkpoint.save(source, tmp_path / "ckpt")
     if target == "trained":
         for ids in stream[4:11]:
             loaded(_kjt(ids))
-    checkpoint.load(loaded, tmp_path / "ckpt")
+    with pytest.warns(UserWarning, match="table 't': the loaded rows have no weight_last_seen"):
+        checkpoint.load(loaded, tmp_path / "ckpt")
     table = loaded.table("t")
     held = set(table.export()["ids"].tolist())
     assert held == set(source.table("t").export()["ids"].tolist()) and table.step == 4

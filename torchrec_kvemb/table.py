@@ -744,17 +744,20 @@ class KVTable:
         state: torch.Tensor | None,
         scores: torch.Tensor | None,
         step: tuple[int, int] | None = None,
+        last_seen: torch.Tensor | None = None,
     ) -> int:
         """Store unique ``ids`` with their rows, optimizer state (None: zero) and
         scores (None: the current step) in the EMPTY table, then take the step
-        counters ``step`` (training lookups, optimizer steps; None: keep them).
-        Returns how many rows found no room (a bucket given more than ``WAYS`` ids
-        keeps those of the highest scores, then smallest ids, as an insert would)."""
+        counters ``step`` (training lookups, optimizer steps; None: keep them) and,
+        for a TTL table that keeps ``last_seen``, the rows' ``last_seen`` steps (None:
+        seen at the restored step). Returns how many rows found no room (a bucket
+        given more than ``WAYS`` ids keeps those of the highest scores, then smallest
+        ids, as an insert would)."""
         lost = self._bulk_load(ids, weights, state, scores)
         if step is not None:
             self.step, self.optim_step = step
         if self.ttl is not None:
-            self.ttl.mark_all()
+            self.ttl.restore(ids, last_seen)
         return lost
 
     def _bulk_load(

@@ -455,8 +455,10 @@ class TieredKVTable(KVTable, serves_ssd=True):
         state: torch.Tensor | None,
         scores: torch.Tensor | None,
         step: tuple[int, int] | None = None,
+        last_seen: torch.Tensor | None = None,
     ) -> int:
-        """``KVTable.load_rows`` over both tiers: each index bucket keeps its rows of
+        """``KVTable.load_rows`` over both tiers (``last_seen``: unused, a tiered TTL
+        table is LRU, whose scores are its last steps): each index bucket keeps its rows of
         the highest scores in memory (then smallest ids, as an insert ranks them), the
         others go to the SSD tier; every row keeps its score in either tier. Nothing
         is lost (0)."""

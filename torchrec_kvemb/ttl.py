@@ -32,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import math
+import warnings
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -45,12 +46,15 @@ from torchrec_kvemb.options import WAYS, EvictionPolicy, KVTableOptions, TTLOpti
 KVTable = Any
 
 __all__ = [
+    "LAST_SEEN_KEY",
     "GroupTTL",
     "TableTTL",
     "counts_sightings",
     "has_row_stats",
+    "last_seen_state",
     "ttl_bytes",
     "uses_last_seen",
+    "warn_without_last_seen",
 ]
 
 #: The metric the sweep adds its freed rows to.
@@ -81,6 +85,34 @@ def ttl_bytes(options: KVTableOptions, rows: int) -> int:
     :func:`counts_sightings`."""
     per_row = (8 if uses_last_seen(options) else 0) + (16 if counts_sightings(options) else 0)
     return per_row * rows
+
+
+#: The state_dict / checkpoint entry of the rows' last steps of a table that keeps
+#: ``last_seen`` (``uses_last_seen``), beside ``weight_score``.
+LAST_SEEN_KEY = "weight_last_seen"
+
+
+def last_seen_state(table: KVTable, ids: torch.Tensor) -> torch.Tensor:
+    """The last steps of the rows of ``ids`` (stored in the table's memory, in the
+    order given: a checkpoint's) for :data:`LAST_SEEN_KEY`; on ``meta``, an empty
+    tensor there."""
+    if table.device.type == "meta":
+        return torch.empty(0, dtype=torch.int64, device=table.device)
+    return table.ttl.last_seen_of(table.index.probe(ids.to(table.device)))
+
+
+def warn_without_last_seen(table: KVTable, rows: int) -> None:
+    """A load of ``rows`` rows without :data:`LAST_SEEN_KEY` into a table that keeps
+    ``last_seen`` (a checkpoint written before it was saved): say that its rows count
+    as seen at the restored step."""
+    if rows and uses_last_seen(table.options):
+        warnings.warn(
+            f"table {table.name!r}: the loaded rows have no {LAST_SEEN_KEY} (a checkpoint "
+            f"or state_dict saved before the rows' last steps were), so its {rows} rows "
+            "count as seen at the restored step and their TTL starts again "
+            "(docs/kv-table.md, TTL checkpoints)",
+            stacklevel=3,
+        )
 
 
 class TableTTL:
@@ -158,6 +190,18 @@ class TableTTL:
                 array.copy_((self.table.clock[0] - lookups).expand(array.shape))
             if self.counting:  # no row's count is known: each starts again
                 self._counts()[1].fill_(-1)
+
+    def restore(self, ids: torch.Tensor, last_seen: torch.Tensor | None) -> None:
+        """A load stored ``ids`` (the table's step restored): rows take their saved
+        ``last_seen`` steps (at most the restored step), or, for ``None`` or an id
+        not given, count as seen at the restored step; sightings start again."""
+        self.mark_all()
+        if last_seen is None or not self.keeps_array or ids.numel() == 0:
+            return
+        slots = self.table.index.probe(ids.to(self.table.device))
+        stored = slots >= 0
+        values = last_seen.to(self.table.device, torch.int64).clamp(max=self.table.step)
+        self.last_seen.view(-1).index_copy_(0, slots[stored], values[stored])
 
     def arrays(self) -> list[torch.Tensor]:
         """The arrays this object allocates (its share of ``memory_bytes``):

@@ -43,6 +43,7 @@ from torchrec_kvemb.checkpoint.row_stream import RowBlock
 from torchrec_kvemb.index import BucketIndex
 from torchrec_kvemb.state_dict import warn_dropped
 from torchrec_kvemb.table import KVTable
+from torchrec_kvemb.ttl import warn_without_last_seen
 
 #: The entry name of a table's rows among its placed entries.
 WEIGHT = "weight"
@@ -63,6 +64,8 @@ class TablePlacement:
     keep: torch.Tensor | None = None
     step: tuple[int, int] | None = None
     admission: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    #: The read rows' last steps (``weight_last_seen``; None: not in the checkpoint).
+    last_seen: torch.Tensor | None = None
     #: After :meth:`plan`: the staged index and each read row's slot (-1: not placed).
     index: BucketIndex | None = None
     slot_of_row: torch.Tensor | None = None
@@ -148,6 +151,17 @@ class TablePlacement:
             self.table.state.index_copy_(0, slots, state)
         self._kept = None
 
+    def _restore_last_seen(self) -> None:
+        """The TTL's last steps of the new content (``TableTTL.restore``): the saved
+        ones, or the restored step with a warning where the checkpoint has none."""
+        ids, last_seen = self.ids, self.last_seen
+        if self.keep is not None:
+            ids = ids[self.keep]
+            last_seen = None if last_seen is None else last_seen[self.keep]
+        self.table.ttl.restore(ids, last_seen)
+        if last_seen is None:
+            warn_without_last_seen(self.table, ids.numel())
+
     def commit(self) -> int:
         """Make the new content the table's: its index, step counters and admission
         entries. Returns how many rows found no room (after a warning)."""
@@ -157,6 +171,8 @@ class TablePlacement:
         table.index.scores.copy_(self.index.scores)
         if self.step is not None:
             table.step, table.optim_step = self.step
+        if table.ttl is not None:
+            self._restore_last_seen()
         if self.admission is not None:
             table.load_admission(*self.admission)
         self._kept = None

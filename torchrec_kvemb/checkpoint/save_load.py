@@ -72,6 +72,7 @@ from torchrec_kvemb.state_dict import (
     restore_table,
 )
 from torchrec_kvemb.state_dict.deferred import DeferredEntries, deferring
+from torchrec_kvemb.ttl import LAST_SEEN_KEY
 
 MODEL = "model"
 #: DCP writer threads (files) per rank of a blocking save.
@@ -422,6 +423,7 @@ def load(
                 keep,
                 rows.step,
                 rows.admission,
+                rows.last_seen,
             )
             for _, slot, rows, keep in placed
         ],
@@ -507,7 +509,7 @@ def _row_range(slot: KVTableSlot, saved_buckets: torch.Tensor) -> tuple[int, int
 
 
 def _saved_row_keys(prefix: str, saved: Mapping[str, Any]) -> list[str]:
-    names = (*ROW_KEYS, *STATE_NAMES)
+    names = (*ROW_KEYS, LAST_SEEN_KEY, *STATE_NAMES)
     return [f"{MODEL}.{prefix}{n}" for n in names if f"{MODEL}.{prefix}{n}" in saved]
 
 
@@ -530,6 +532,7 @@ def _rows(prefix: str, slot: KVTableSlot, targets: dict) -> tuple[TableRows, tor
         state={n: get(n) for n in STATE_NAMES if get(n) is not None},
         step=None if step is None else (int(step[0]), int(step[1])),
         admission=admission,
+        last_seen=get(LAST_SEEN_KEY),
     )
     keep = slot.layout.owns(rows.ids)
     return rows, None if bool(keep.all()) else keep
@@ -551,6 +554,9 @@ def _shapes_only(rows: TableRows, keep: torch.Tensor | None) -> TableRows:
         state={k: shaped(v) for k, v in rows.state.items()},
         step=rows.step,
         admission=rows.admission,
+        last_seen=rows.last_seen
+        if keep is None or rows.last_seen is None
+        else rows.last_seen[keep],
     )
 
 

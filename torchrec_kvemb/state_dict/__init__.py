@@ -19,6 +19,9 @@ key                 shape               dtype    meaning
 ``admission_score``                              ``admission_threshold > 1`` only)
 ==================  ==================  =======  ==========================================
 
+A TTL table whose policy is not LRU adds ``weight_last_seen`` (``[rows]`` int64):
+each row's last training step (an LRU table's ``weight_score`` is it).
+
 Rows (and admission entries) are sorted by routing bucket
 (:func:`~torchrec_kvemb.ops.hashing.route_bucket` over ``G =
 total_num_buckets``), then by id. Unsharded, the values are plain tensors.

@@ -62,6 +62,10 @@ def check_table_rows(
         tuple(rows.scores.shape) != (n,) or rows.scores.is_floating_point()
     ):
         fail(f"weight_score must be an integer tensor of {n} entries")
+    if rows.last_seen is not None and (
+        tuple(rows.last_seen.shape) != (n,) or rows.last_seen.is_floating_point()
+    ):
+        fail(f"weight_last_seen must be an integer tensor of {n} entries")
     check_state(name, state_shapes, rows.state, n)
     check_ids(name, rows.ids, num_buckets)
     if rows.admission is not None:

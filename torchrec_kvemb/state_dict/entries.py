@@ -18,7 +18,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor, Replicate
 
 from torchrec_kvemb.state_dict.checks import CheckpointError
-from torchrec_kvemb.state_dict.rows import ADMISSION_KEYS, STATE_NAMES, TableRows
+from torchrec_kvemb.state_dict.rows import ADMISSION_KEYS, LAST_SEEN_KEY, STATE_NAMES, TableRows
 
 
 def rows_from_entries(name: str, entries: dict[str, Any]) -> TableRows:
@@ -41,6 +41,7 @@ def rows_from_entries(name: str, entries: dict[str, Any]) -> TableRows:
         state={k: local[k] for k in STATE_NAMES if k in local},
         step=step,
         admission=admission,
+        last_seen=local.get(LAST_SEEN_KEY),
     )
 
 

@@ -23,10 +23,16 @@ from torchrec_kvemb.dispatch import route_bucket
 from torchrec_kvemb.optimizer import STATE_NAMES
 from torchrec_kvemb.state_dict.deferred import active as active_deferral
 from torchrec_kvemb.table import KVTable
+from torchrec_kvemb.ttl import (
+    LAST_SEEN_KEY,
+    last_seen_state,
+    uses_last_seen,
+    warn_without_last_seen,
+)
 
 ROW_KEYS = ("weight", "weight_id", "weight_score")
 ADMISSION_KEYS = ("admission_id", "admission_count", "admission_score")
-KNOWN_KEYS = frozenset(ROW_KEYS + STATE_NAMES + ADMISSION_KEYS + ("bucket", "step"))
+KNOWN_KEYS = frozenset(ROW_KEYS + STATE_NAMES + ADMISSION_KEYS + ("bucket", "step", LAST_SEEN_KEY))
 
 
 @dataclass
@@ -48,6 +54,9 @@ class TableRows:
     step: tuple[int, int] | None = None
     #: (ids, sightings, counter scores) waiting for admission, None when absent.
     admission: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    #: The rows' last training steps (``weight_last_seen``, TTL tables that keep
+    #: them), None when absent.
+    last_seen: torch.Tensor | None = None
 
     def select(self, keep: torch.Tensor) -> TableRows:
         """The rows where ``keep`` is True (admission entries unchanged)."""
@@ -60,6 +69,7 @@ class TableRows:
             {k: v[keep] for k, v in self.state.items()},
             self.step,
             self.admission,
+            None if self.last_seen is None else self.last_seen[keep],
         )
 
 
@@ -92,6 +102,11 @@ def table_state(table: KVTable) -> dict[str, torch.Tensor]:
         ids = data["ids"]
         out["bucket"] = torch.bincount(route_bucket(ids, num_buckets), minlength=num_buckets)
     out["step"] = torch.tensor([table.step, table.optim_step], dtype=torch.int64)
+    if uses_last_seen(table.options):
+        ids = data["ids"] if deferred is None or table.device.type == "meta" else None
+        if ids is None:  # a deferred entry's ids are a placeholder: the order itself
+            ids = table.checkpoint_order(num_buckets)[0]
+        out[LAST_SEEN_KEY] = last_seen_state(table, ids)
     if table.options.admission_threshold > 1:
         out.update(zip(ADMISSION_KEYS, admission_state(table), strict=True))
     return out
@@ -141,7 +156,11 @@ def restore_table(table: KVTable, rows: TableRows) -> int:
     table.reserve(rows.ids.numel())  # a full disk raises here, before the table changes
     table.clear()
     state = table.optim.join_state(rows.state, table.dim) if rows.ids.numel() else None
-    lost = table.load_rows(rows.ids, rows.weights, state, rows.scores, rows.step)
+    lost = table.load_rows(
+        rows.ids, rows.weights, state, rows.scores, rows.step, last_seen=rows.last_seen
+    )
+    if rows.last_seen is None:
+        warn_without_last_seen(table, rows.ids.numel())
     if rows.admission is not None:
         table.load_admission(*rows.admission)
     if lost:

@@ -26,7 +26,7 @@ from torch.distributed._shard.sharded_tensor.metadata import (
 )
 
 from torchrec_kvemb.state_dict.layout import TableLayout
-from torchrec_kvemb.state_dict.rows import ADMISSION_KEYS, table_state
+from torchrec_kvemb.state_dict.rows import ADMISSION_KEYS, LAST_SEEN_KEY, table_state
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,7 @@ def sharded_entries(
                 "step": state["step"].tolist(),
                 "state_shapes": layout.table.optim.state_shapes(layout.dim),
                 "bucket": hi - lo,
+                "last_seen": LAST_SEEN_KEY in state,
             }
         )
     shards = gather_row_counts(info, _device_of(layouts), group)
@@ -150,6 +151,8 @@ def sharded_entries(
         }
         for name, tail in known[0]["state_shapes"].items():
             entries[name] = sharded(name, "rows", tail, torch.float32)
+        if known[0].get("last_seen"):
+            entries[LAST_SEEN_KEY] = sharded(LAST_SEEN_KEY, "rows", (), torch.int64)
         entries["bucket"] = sharded("bucket", "bucket", (), torch.int64)
         steps = [h["step"] for h in known]
         entries["step"] = torch.tensor([max(s[0] for s in steps), max(s[1] for s in steps)])
