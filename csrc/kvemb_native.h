@@ -17,7 +17,7 @@ extern "C" {
 
 // Bump on any change of a signature or struct below; native.py refuses a
 // library whose version differs (a stale build).
-#define KV_ABI_VERSION 6
+#define KV_ABI_VERSION 7
 
 enum KvStatus {
   KV_OK = 0,
@@ -198,6 +198,53 @@ typedef struct KvBackwardArgs {
 } KvBackwardArgs;
 
 int kv_fused_backward_group(const KvBackwardArgs* args);
+
+// Pooled forward of a group by slot (kv_pooled_forward), or, with no slots,
+// the fused eval lookup: the group index probed and the found rows pooled in
+// one pass (kv_pooled_forward with keys). Rows of weights_dtype are read to
+// float32. Bag b (ids [offsets[b], offsets[b + 1])) is the sum in id order of
+// its ids' rows times their multiplier: scale[i]; else per_sample_weights[i]
+// (1 without) divided by the bag's length (at least 1) where mean_of_bag[b];
+// with a multiplier the sum is acc = fma(s, row, acc), without it acc + row
+// (what torch's embedding_bag gives through fbgemm). Ids with slot -1 (not
+// stored, or not the group's) pool nothing; an empty bag is zeros. Each bag is
+// summed by one thread: the bytes do not depend on num_threads.
+typedef struct KvPooledArgs {
+  const void* weights;    // [num_rows, dim] of weights_dtype
+  int64_t weights_dtype;  // KvRowDtype
+  int64_t num_rows;
+  int64_t dim;
+  const int64_t* offsets;  // [num_bags + 1], 0 ... n; null: id b is bag b (num_bags == n)
+  int64_t num_bags;
+  int64_t n;
+  const float* scale;               // [n] or null
+  const float* per_sample_weights;  // [n] or null (read when scale is null)
+  const uint8_t* mean_of_bag;       // [num_bags] or null (read when scale is null)
+  // The table of each id, per bag or per id (at most one given; neither: all -1).
+  const int64_t* table_of_bag;  // [num_bags], -1: not the group's bag
+  const int64_t* table_idx;     // [n], -1: not the group's id
+  int64_t num_tables;
+  // Slots of the ids [n] (-1: no row); null: probe the index below (eval).
+  const int64_t* slots;
+  const int64_t* keys;  // [num_buckets_total, 16]
+  int64_t num_buckets_total;
+  const int64_t* bucket_offset;  // [T]
+  const int64_t* num_buckets;    // [T]
+  const int64_t* ids;            // [n]
+  // Output: bag b's dim floats at out + out_offset[b] (-1: bag b not written;
+  // null: b * dim); every written row inside out [out_numel].
+  float* out;
+  int64_t out_numel;
+  const int64_t* out_offset;  // [num_bags] or null
+  // Counters (overwritten; each optional): ids of each table found and seen
+  // ([T] each, eval), and ids of a table with slot -1 ([1]).
+  int64_t* hits;
+  int64_t* seen;
+  int64_t* missing;
+  int64_t num_threads;
+} KvPooledArgs;
+
+int kv_pooled_forward(const KvPooledArgs* args);
 
 // Find-or-insert of unique ids in one index (ops/insert.py insert_torch):
 // keys and scores updated in place; every id must be >= 0 (checked before

@@ -196,27 +196,27 @@ class KVBagLookup:
             if custom is not None:
                 custom = (custom[0].index_select(0, index), custom[1])
         n = ids.numel()
-        mean = plan.mean_of_bag if any(spec.mean for spec in self._specs) else False
+        any_mean = any(spec.mean for spec in self._specs)
+        if not training:
+            return self._pooled_eval(plan, ids, offsets, weights, any_mean, stride, vbe)
+        mean = plan.mean_of_bag if any_mean else False
         bags = Bags.build(offsets, n, weights, mean)
         outputs = []
         for group, table_of_bag, bag_list in zip(
             self.groups, plan.table_of_bag, plan.bag_lists, strict=True
         ):
             table_idx = table_of_bag[bags.bag_of]
-            if training:
-                scores, flags = custom if custom is not None else (None, None)
-                out = pooled_train(
-                    self._anchor,
-                    group,
-                    ids,
-                    table_idx,
-                    bags,
-                    bag_list,
-                    scores,
-                    None if flags is None else [flags.get(t.name, False) for t in group.tables],
-                )
-            else:
-                out = pooled_eval(group, ids, table_idx, bags, bag_list)
+            scores, flags = custom if custom is not None else (None, None)
+            out = pooled_train(
+                self._anchor,
+                group,
+                ids,
+                table_idx,
+                bags,
+                bag_list,
+                scores,
+                None if flags is None else [flags.get(t.name, False) for t in group.tables],
+            )
             outputs.append(out)  # [bags, dim], bags feature-major
         if vbe:
             return plan.variable_batch_output(outputs).to(ids.device)
@@ -227,6 +227,39 @@ class KVBagLookup:
             if positions is not None:
                 out = out.index_select(0, positions)
             blocks.append(out.transpose(0, 1).reshape(stride, -1))
+        if not blocks:
+            return torch.empty(stride, 0, device=ids.device)
+        out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        return out if plan.columns is None else out.index_select(1, plan.columns)
+
+    def _pooled_eval(
+        self,
+        plan: BagPlan,
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        any_mean: bool,
+        stride: int,
+        vbe: bool,
+    ) -> torch.Tensor:
+        """``pooled``'s evaluation batch: one fused probe-and-pool call per group
+        (``KVTableGroup.pooled_eval``), each writing its bags straight into its block
+        ``[stride, features x dim]`` of the output (no bag-of-id map, scale or
+        transpose built here); under VBE, ``[bags, dim]`` per group put in VBE order."""
+        mean = plan.mean_of_bag if any_mean else None
+        in_place = not vbe and plan.out_offsets is not None
+        blocks = []
+        for g, group in enumerate(self.groups):
+            out_offset = plan.out_offsets[g] if in_place else None
+            shape = (stride, plan.widths[g]) if in_place else None
+            blocks.append(
+                pooled_eval(
+                    group, ids, offsets, plan.table_of_bag[g], weights, mean, plan.bag_lists[g],
+                    out_offset, shape,
+                )  # fmt: skip
+            )
+        if not in_place:
+            return plan.variable_batch_output(blocks).to(ids.device)
         if not blocks:
             return torch.empty(stride, 0, device=ids.device)
         out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)

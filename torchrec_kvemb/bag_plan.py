@@ -37,7 +37,11 @@ class BagPlan:
     already in order); ``expand``: when a key feeds several tables, the source bag
     of each bag the groups see (None: no copy); ``slots``: (group, key) of each
     output feature; ``strides`` / ``rank_strides``: batch size per key (the groups'
-    keys), and per key and source rank under VBE (else None)."""
+    keys), and per key and source rank under VBE (else None). ``out_offsets[g]``:
+    where group ``g``'s block ``[stride, widths[g]]`` (its output features in order,
+    sample-major: what ``columns`` then permutes) takes each bag's row, a flat
+    offset per bag (-1: not the group's), so an eval lookup writes its bags in
+    place (None: batch sizes differ per key)."""
 
     table_maps: list[torch.Tensor]
     table_of_bag: list[torch.Tensor]
@@ -50,6 +54,8 @@ class BagPlan:
     strides: tuple[int, ...]
     rank_strides: tuple[tuple[int, ...], ...] | None = None
     expand: torch.Tensor | None = None
+    out_offsets: list[torch.Tensor] | None = None
+    widths: tuple[int, ...] = ()
 
     @property
     def num_keys(self) -> int:
@@ -112,6 +118,16 @@ class BagPlan:
         ]
         identity = column_list == list(range(len(column_list)))
         columns = torch.tensor(column_list, dtype=torch.int64)
+        out_offsets = None
+        widths = tuple(len(outputs[g]) * dims[g] for g in range(num_groups))
+        if len(set(strides)) <= 1:
+            out_offsets = []
+            for g in range(num_groups):
+                offsets = torch.full((starts[-1],), -1, dtype=torch.int64)
+                for i, key in enumerate(outputs[g]):
+                    sample = torch.arange(strides[key], dtype=torch.int64)
+                    offsets[starts[key] : starts[key + 1]] = sample * widths[g] + i * dims[g]
+                out_offsets.append(offsets)
         counts = torch.tensor(list(strides), dtype=torch.int64)
         bags = starts[-1]
         key_of_bag = torch.arange(num_keys).repeat_interleave(counts, output_size=bags)
@@ -125,6 +141,8 @@ class BagPlan:
             columns=None if identity else columns,
             slots=tuple(slots),
             strides=tuple(strides),
+            out_offsets=out_offsets,
+            widths=widths,
         )
 
     @classmethod
@@ -183,6 +201,7 @@ class BagPlan:
             positions=[move(p) for p in self.positions],
             columns=move(self.columns),
             expand=move(self.expand),
+            out_offsets=None if self.out_offsets is None else [move(o) for o in self.out_offsets],
         )
 
     def variable_batch_output(self, outputs: list[torch.Tensor]) -> torch.Tensor:

@@ -286,6 +286,30 @@ def group_lookup_eval(
     return op(storage.keys, layout.bucket_offset, layout.num_buckets, ids, table_idx, metrics)
 
 
+def group_pooled_eval(
+    layout: GroupLayout,
+    storage: TableStorage,
+    ids: torch.Tensor,
+    offsets: torch.Tensor | None,
+    table_of_bag: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    mean_of_bag: torch.Tensor | None,
+    bag_list: torch.Tensor,
+    out_offset: torch.Tensor | None,
+    out_shape: tuple[int, int],
+    metrics: torch.Tensor,
+) -> torch.Tensor:
+    """A group's evaluation batch, probed and pooled by ``kvemb::pooled_eval_group``
+    (see ``KVTableGroup.pooled_eval``); hits and misses add to ``metrics``."""
+    op = registered("pooled_eval_group", ids.device)
+    if op is None:
+        raise RuntimeError("group_pooled_eval: the torch path is KVTableGroup.pooled_eval's own")
+    return op(
+        storage.keys, layout.bucket_offset, layout.num_buckets, storage.weights, ids, offsets,
+        table_of_bag, per_sample_weights, mean_of_bag, bag_list, out_offset, *out_shape, metrics,
+    )  # fmt: skip
+
+
 def _init_tensors(layout: GroupLayout) -> tuple[torch.Tensor, ...]:
     return layout.seed, layout.seed_mix, layout.init_normal, layout.init_a, layout.init_b
 

@@ -43,6 +43,7 @@ from torchrec_kvemb.contracts import (
     TableStorage,
 )
 from torchrec_kvemb.memory import table_memory
+from torchrec_kvemb.ops.pooled_lookup import place_bags
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import WAYS, KVTableOptions
 from torchrec_kvemb.ssd.scratch import ScratchPad
@@ -310,6 +311,48 @@ class KVTableGroup:
         if self.per_table_only or self.backend(ids.device) == "torch":
             return self.lookup_eval_per_table(ids, table_idx)
         return dispatch.group_lookup_eval(self.layout, self.storage, ids, table_idx, self.metrics)
+
+    def pooled_eval(
+        self,
+        ids: torch.Tensor,
+        offsets: torch.Tensor | None,
+        table_of_bag: torch.Tensor,
+        per_sample_weights: torch.Tensor | None,
+        mean_of_bag: torch.Tensor | None,
+        bag_list: torch.Tensor,
+        out_offset: torch.Tensor | None = None,
+        out_shape: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """An evaluation batch, read-only: the pooled rows of the bags cut by ``offsets``
+        (ids without a row pool zeros; ``table_of_bag``: the table of each bag's ids,
+        -1: not the group's; a bag's ids count their per-sample weight, divided by its
+        length where ``mean_of_bag``), bag ``b``'s row at flat offset ``out_offset[b]``
+        of a new ``out_shape`` tensor (which the group's bags ``bag_list`` cover), or
+        ``[B, dim]``; ``offsets`` None: every id is a bag of its own, ``[n, dim]``.
+
+        One fused probe-and-pool call (``kvemb::pooled_eval_group``) where the group
+        has one; tables with SSD tiers, a lone table's group and the torch path look
+        up (``lookup_eval``), then pool (``pooled_forward`` / ``rows_forward``)."""
+        if self.pad is None and not self.per_table_only and self.backend(ids.device) != "torch":
+            bags = ids.shape[0] if offsets is None else offsets.shape[0] - 1
+            shape = out_shape if out_offset is not None else (bags, self.dim)
+            return dispatch.group_pooled_eval(
+                self.layout, self.storage, ids, offsets, table_of_bag, per_sample_weights,
+                mean_of_bag, bag_list, out_offset, shape, self.metrics,
+            )  # fmt: skip
+        n = ids.shape[0]
+        if offsets is None:
+            each = torch.arange(n + 1, device=ids.device)
+            slots = self.lookup_eval(ids, table_of_bag)
+            return self.rows_forward(slots, ids, table_of_bag, Bags(each, each[:n], None), True)
+        mean = mean_of_bag if mean_of_bag is not None else False
+        bags = Bags.build(offsets, n, per_sample_weights, mean)
+        table_idx = table_of_bag.index_select(0, bags.bag_of)
+        slots = self.lookup_eval(ids, table_idx)
+        pooled = self.pooled_forward(slots, ids, table_idx, bags, bag_list, True)
+        if out_offset is None:
+            return pooled
+        return place_bags(pooled, bag_list, out_offset, out_shape)
 
     def pooled_forward(
         self,

@@ -60,13 +60,19 @@ def pooled_train(
 def pooled_eval(
     group: KVTableGroup,
     ids: torch.Tensor,
-    table_idx: torch.Tensor,
-    bags: Bags,
-    bag_list: torch.Tensor | None,
+    offsets: torch.Tensor | None,
+    table_of_bag: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    mean_of_bag: torch.Tensor | None,
+    bag_list: torch.Tensor,
+    out_offset: torch.Tensor | None = None,
+    out_shape: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """An evaluation batch of the group (read-only): ids without a row pool zeros
-    (``bag_list`` as for ``pooled_train``)."""
-    slots = group.lookup_eval(ids, table_idx)
-    if bag_list is None:
-        return group.rows_forward(slots, ids, table_idx, bags, True)
-    return group.pooled_forward(slots, ids, table_idx, bags, bag_list, True)
+    """An evaluation batch of the group (read-only), probed and pooled in one call
+    where the group has one: ids without a row pool zeros; bag ``b``'s row at flat
+    offset ``out_offset[b]`` of a new ``out_shape`` tensor, or ``[B, dim]``;
+    ``offsets`` None: every id is a bag of its own, ``[n, dim]``
+    (``KVTableGroup.pooled_eval``)."""
+    return group.pooled_eval(
+        ids, offsets, table_of_bag, per_sample_weights, mean_of_bag, bag_list, out_offset, out_shape
+    )

@@ -35,7 +35,7 @@ from torchrec_kvemb.validation import KVInputError
 #: The shared library's extension name (setup.py builds csrc/ into it).
 LIBRARY = "torchrec_kvemb._kvemb_native"
 #: Must equal KV_ABI_VERSION in csrc/kvemb_native.h.
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 _OK, _BAD_TABLE, _NEGATIVE_ID, _OUT_OF_MEMORY, _BAD_ARGUMENT = range(5)
 
@@ -143,6 +143,39 @@ class BackwardArgs(ctypes.Structure):
     ]
 
 
+class PooledArgs(ctypes.Structure):
+    """Mirror of ``KvPooledArgs`` (csrc/kvemb_native.h), field for field."""
+
+    _fields_ = [
+        ("weights", _PTR),
+        ("weights_dtype", _I64),
+        ("num_rows", _I64),
+        ("dim", _I64),
+        ("offsets", _PTR),
+        ("num_bags", _I64),
+        ("n", _I64),
+        ("scale", _PTR),
+        ("per_sample_weights", _PTR),
+        ("mean_of_bag", _PTR),
+        ("table_of_bag", _PTR),
+        ("table_idx", _PTR),
+        ("num_tables", _I64),
+        ("slots", _PTR),
+        ("keys", _PTR),
+        ("num_buckets_total", _I64),
+        ("bucket_offset", _PTR),
+        ("num_buckets", _PTR),
+        ("ids", _PTR),
+        ("out", _PTR),
+        ("out_numel", _I64),
+        ("out_offset", _PTR),
+        ("hits", _PTR),
+        ("seen", _PTR),
+        ("missing", _PTR),
+        ("num_threads", _I64),
+    ]
+
+
 class InsertArgs(ctypes.Structure):
     """Mirror of ``KvInsertArgs`` (csrc/kvemb_native.h), field for field."""
 
@@ -223,6 +256,7 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
     lib.kv_lookup_train_group.argtypes = [ctypes.POINTER(TrainArgs)]
     lib.kv_fused_backward_group.argtypes = [ctypes.POINTER(BackwardArgs)]
     lib.kv_insert.argtypes = [ctypes.POINTER(InsertArgs)]
+    lib.kv_pooled_forward.argtypes = [ctypes.POINTER(PooledArgs)]
     lib.kv_read_records.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR]
     lib.kv_bulk_load.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR]
     lib.kv_scatter_rows.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _I64]
@@ -238,6 +272,7 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
         lib.kv_lookup_eval_group,
         lib.kv_lookup_train_group,
         lib.kv_fused_backward_group,
+        lib.kv_pooled_forward,
         lib.kv_insert,
         lib.kv_place,
         lib.kv_bulk_load,

@@ -98,7 +98,7 @@ class KVSequenceLookup(KVBagLookup):
                     None if flags is None else [flags.get(t.name, False) for t in group.tables],
                 )
             else:
-                rows = pooled_eval(group, ids, table_idx, bags, None)
+                rows = pooled_eval(group, ids, None, table_idx, None, None, ids.new_empty(0))
             # Ids of another group's tables get zeros here: the groups' rows add up.
             out = rows if out is None else out + rows
         return out

@@ -109,6 +109,22 @@ def _forward_args(group: KVTableGroup, pooled: bool, missing_as_zero: bool) -> t
             bag_list, *init, missing_as_zero)  # fmt: skip
 
 
+def _eval_args(group: KVTableGroup) -> tuple:
+    """Bags of the three tables and one bag of another group's (-1), weighted, some
+    by MEAN, each bag's row at a row of its own of a ``[6, DIM]`` output."""
+    ids, _ = _batch()
+    offsets = torch.tensor([0, 3, 3, 9, 14, 20, 27, N])
+    table_of_bag = torch.tensor([0, 1, -1, 2, 0, 1, 2])
+    weights = torch.rand(N, generator=torch.Generator().manual_seed(5))
+    mean_of_bag = torch.tensor([True, False, False, True, False, True, False])
+    bag_list = torch.tensor([0, 1, 3, 4, 5, 6])
+    out_offset = torch.tensor([5, 0, -1, 1, 4, 2, 3]) * DIM
+    out_offset[2] = -1
+    return (group.storage.keys, group.layout.bucket_offset, group.layout.num_buckets,
+            group.weights, ids, offsets, table_of_bag, weights, mean_of_bag, bag_list,
+            out_offset, 6, DIM, group.metrics.clone())  # fmt: skip
+
+
 def _bucketize_args() -> tuple:
     gen = torch.Generator().manual_seed(4)
     lengths = torch.randint(0, 5, (3 * 7,), generator=gen)
@@ -150,6 +166,7 @@ CASES: dict[str, Callable[[KVTableGroup], tuple]] = {
         *_batch(),
         g.metrics.clone(),
     ),  # fmt: skip
+    "pooled_eval_group": _eval_args,
     "pooled_forward": lambda g: _forward_args(g, pooled=True, missing_as_zero=False),
     "rows_forward": lambda g: _forward_args(g, pooled=False, missing_as_zero=False),
     "fused_backward": _backward_args,

@@ -1,5 +1,6 @@
 """Ops of a group of KV tables (``torchrec_kvemb/group.py``): ``torch.ops.kvemb.
-{lookup_train_group, lookup_eval_group, pooled_forward, rows_forward, fused_backward}``.
+{lookup_train_group, lookup_eval_group, pooled_eval_group, pooled_forward, rows_forward,
+fused_backward}``.
 
 Each op's arguments are the fields of one ``NamedTuple`` below (its schema: a
 group's arrays, ``TableStorage``, updated in place; its layout as
@@ -10,8 +11,9 @@ op                  CPU                                        CUDA
 ==================  =========================================  ===========================
 lookup_train_group  native (``csrc/lookup_train.cpp``)         Triton (``group_lookup``)
 lookup_eval_group   native (``csrc/lookup_eval.cpp``)          Triton (``group_lookup``)
-pooled_forward      torch path (``embedding_bag`` by slot)     Triton (``group_pooled``)
-rows_forward        torch path (``index_select`` by slot)      Triton (``group_pooled``)
+pooled_eval_group   native (``csrc/pooled_forward.cpp``)       Triton: the probe, then pooled
+pooled_forward      native (``csrc/pooled_forward.cpp``)       Triton (``group_pooled``)
+rows_forward        native (``csrc/pooled_forward.cpp``)       Triton (``group_pooled``)
 fused_backward      native (``csrc/fused_backward.cpp``)       Triton (``group_pooled``)
 ==================  =========================================  ===========================
 
@@ -35,7 +37,7 @@ from torchrec_kvemb.contracts import KERNEL_METRICS, Bags, GroupLayout
 from torchrec_kvemb.library.registry import define, schema
 from torchrec_kvemb.native_lib import Workspace
 from torchrec_kvemb.ops import native
-from torchrec_kvemb.ops.pooled_lookup import group_pooled_forward_torch, group_rows_forward_torch
+from torchrec_kvemb.ops.pooled_lookup import add_initial_rows, copy_initial_rows, place_bags
 from torchrec_kvemb.optimizer import FusedOptimConfig, OptimKind, WeightDecay
 
 Tensor = torch.Tensor
@@ -213,6 +215,98 @@ lookup_eval_group = define(
 )
 
 
+# ------------------------------------------------------------- pooled_eval_group
+class EvalArgs(NamedTuple):
+    """``pooled_eval_group``'s arguments: the group's index (``keys``, each table's
+    bucket range) and rows, the batch (``ids``, bags cut by ``offsets``, None: every id
+    a bag of its own; ``table_of_bag``: the table of each bag's ids, -1: not the
+    group's; per-sample weights; ``mean_of_bag``: bags pooled by MEAN; ``bag_list``:
+    the group's bags, unread without ``offsets``), where each bag's row goes
+    (``out_offset [B]``: its flat offset in the output ``[out_rows, out_width]``, -1:
+    none; None: ``[B, dim]``), and the ``[T, 6]`` metrics, to which hits and misses
+    add."""
+
+    keys: Tensor
+    bucket_offset: Tensor
+    num_buckets: Tensor
+    weights: Tensor
+    ids: Tensor
+    offsets: Tensor | None
+    table_of_bag: Tensor
+    per_sample_weights: Tensor | None
+    mean_of_bag: Tensor | None
+    bag_list: Tensor
+    out_offset: Tensor | None
+    out_rows: int
+    out_width: int
+    metrics: Tensor
+
+    def out_shape(self) -> tuple[int, int]:
+        if self.out_offset is not None:
+            return self.out_rows, self.out_width
+        bags = self.ids.shape[0] if self.offsets is None else self.offsets.shape[0] - 1
+        return bags, self.weights.shape[1]
+
+
+EVAL_MUTATES = ("metrics",)
+
+
+def _opt(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.contiguous()
+
+
+def _pooled_eval_cpu(*args: object) -> Tensor:
+    a = EvalArgs(*args)
+    out, hits, seen = native.pooled_eval(
+        a.keys, a.bucket_offset, a.num_buckets, a.weights, a.ids.contiguous(), _opt(a.offsets),
+        a.table_of_bag.contiguous(), _opt(a.per_sample_weights), _opt(a.mean_of_bag),
+        _opt(a.out_offset), a.out_shape() if a.out_offset is not None else None,
+        num_threads=torch.get_num_threads(),
+    )  # fmt: skip
+    a.metrics[:, 0] += hits
+    a.metrics[:, 1] += seen - hits
+    return out
+
+
+def _pooled_eval_cuda(*args: object) -> Tensor:
+    from torchrec_kvemb.kernels.group_pooled import group_pooled_forward_triton
+
+    a = EvalArgs(*args)
+    n = a.ids.shape[0]
+    if a.offsets is None:
+        each = torch.arange(n + 1, device=a.ids.device)
+        bags = Bags(each, each[:n], None)
+    else:
+        mean = a.mean_of_bag if a.mean_of_bag is not None else False
+        bags = Bags.build(a.offsets, n, a.per_sample_weights, mean)
+    table_idx = a.table_of_bag.index_select(0, bags.bag_of)
+    slots = _lookup_eval_cuda(a.keys, a.bucket_offset, a.num_buckets, a.ids, table_idx, a.metrics)
+    zeros = torch.zeros_like(a.bucket_offset)
+    init = InitArgs(zeros, zeros, zeros, zeros.double(), zeros.double())
+    bag_list = bags.bag_of if a.offsets is None else a.bag_list  # rows: every id's
+    pooled = group_pooled_forward_triton(
+        init.layout(), a.weights, slots, a.ids, table_idx, bags, bag_list, True
+    )
+    if a.out_offset is None:
+        return pooled
+    return place_bags(pooled, a.bag_list, a.out_offset, a.out_shape())
+
+
+def _pooled_eval_fake(*args: object) -> Tensor:
+    a = EvalArgs(*args)
+    return a.weights.new_empty(a.out_shape(), dtype=torch.float32)
+
+
+pooled_eval_group = define(
+    "pooled_eval_group",
+    _pooled_eval_cpu,
+    _pooled_eval_cuda,
+    _pooled_eval_fake,
+    mutates=EVAL_MUTATES,
+    op_schema=schema(EvalArgs, "Tensor", EVAL_MUTATES),
+)
+
+
 # ---------------------------------------------------------------- pooled_forward
 class PooledArgs(NamedTuple):
     """``pooled_forward``'s arguments: rows ``[B, dim]`` of the bags in ``bag_list``."""
@@ -241,10 +335,16 @@ class PooledArgs(NamedTuple):
 
 def _pooled_forward_cpu(*args: object) -> Tensor:
     a = PooledArgs(*args)
-    specs = () if a.missing_as_zero else a.init().layout().init_specs
-    return group_pooled_forward_torch(
-        a.weights, a.slots, a.ids, a.table_idx, a.bags(), specs, a.missing_as_zero
-    )
+    # Every row dtype; training's ids without a row (admission, no room: rare) pool
+    # their initial rows afterwards, as the torch path adds them.
+    out, missing = native.pooled_forward(
+        a.weights, a.slots.contiguous(), a.offsets.contiguous(), a.scale, a.table_idx.contiguous(),
+        num_threads=torch.get_num_threads(),
+    )  # fmt: skip
+    if missing and not a.missing_as_zero:
+        specs = a.init().layout().init_specs
+        add_initial_rows(out, a.slots, a.ids, a.table_idx, a.bags(), specs)
+    return out
 
 
 def _pooled_forward_cuda(*args: object) -> Tensor:
@@ -268,7 +368,6 @@ pooled_forward = define(
     _pooled_forward_cpu,
     _pooled_forward_cuda,
     _pooled_forward_fake,
-    cpu_name="torch (embedding_bag by slot)",
     op_schema=schema(PooledArgs, "Tensor"),
 )
 
@@ -294,10 +393,14 @@ class RowsArgs(NamedTuple):
 
 def _rows_forward_cpu(*args: object) -> Tensor:
     a = RowsArgs(*args)
-    specs = () if a.missing_as_zero else a.init().layout().init_specs
-    return group_rows_forward_torch(
-        a.weights, a.slots, a.ids, a.table_idx, specs, a.missing_as_zero
-    )
+    rows, missing = native.pooled_forward(
+        a.weights, a.slots.contiguous(), None, table_idx=a.table_idx.contiguous(),
+        num_threads=torch.get_num_threads(),
+    )  # fmt: skip
+    if missing and not a.missing_as_zero:
+        where = (a.slots < 0).nonzero().squeeze(1)
+        copy_initial_rows(rows, where, a.ids, a.table_idx, a.init().layout().init_specs)
+    return rows
 
 
 def _rows_forward_cuda(*args: object) -> Tensor:
@@ -323,7 +426,6 @@ rows_forward = define(
     _rows_forward_cpu,
     _rows_forward_cuda,
     _rows_forward_fake,
-    cpu_name="torch (index_select by slot)",
     op_schema=schema(RowsArgs, "Tensor"),
 )
 

@@ -46,6 +46,7 @@ from torchrec_kvemb.native_lib import (
     BackwardArgs,
     InsertArgs,
     NativeOpError,
+    PooledArgs,
     TrainArgs,
     Workspace,
     available,
@@ -695,6 +696,140 @@ def fused_backward_group(
     check_status(library().kv_fused_backward_group(ctypes.byref(args)), "fused_backward_group")
 
 
+# ------------------------------------------------------------ pooled forward
+#: KvRowDtype codes (csrc/kvemb_native.h).
+ROW_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _row_dtype(weights: torch.Tensor, op: str) -> int:
+    code = ROW_DTYPES.get(weights.dtype)
+    if code is None or weights.dim() != 2:
+        raise ValueError(
+            f"{op}: weights must be [rows, dim] float32, float16 or bfloat16, got "
+            f"{weights.dtype} {tuple(weights.shape)}"
+        )
+    return code
+
+
+def _pooled_call(
+    op: str,
+    weights: torch.Tensor,
+    ids_n: int,
+    offsets: torch.Tensor | None,
+    out: torch.Tensor,
+    out_offset: torch.Tensor | None,
+    num_threads: int | None,
+    **fields: int | None,
+) -> None:
+    num_bags = ids_n if offsets is None else offsets.numel() - 1
+    if num_bags < 0:
+        raise ValueError(f"{op}: offsets must have at least one entry")
+    rows, dim = weights.shape
+    args = PooledArgs(
+        weights=tensor_ptr(weights, "weights", weights.dtype, (rows, dim)),
+        weights_dtype=_row_dtype(weights, op),
+        num_rows=rows,
+        dim=dim,
+        offsets=tensor_ptr(offsets, "offsets", torch.int64, (num_bags + 1,), optional=True),
+        num_bags=num_bags,
+        n=ids_n,
+        out=tensor_ptr(out, "out", torch.float32),
+        out_numel=out.numel(),
+        out_offset=tensor_ptr(out_offset, "out_offset", torch.int64, (num_bags,), optional=True),
+        num_threads=threads(num_threads, ids_n * max(dim, 1) // 16),
+        **fields,
+    )
+    check_status(library().kv_pooled_forward(ctypes.byref(args)), op)
+
+
+def pooled_forward(
+    weights: torch.Tensor,
+    slots: torch.Tensor,
+    offsets: torch.Tensor | None,
+    scale: torch.Tensor | None = None,
+    table_idx: torch.Tensor | None = None,
+    num_threads: int | None = None,
+) -> tuple[torch.Tensor, int]:
+    """Pooled rows by slot: ``(out [B, dim] float32, missing)``.
+
+    Bag ``b`` (ids ``[offsets[b], offsets[b + 1])``; ``offsets`` None: id ``b``
+    alone, unpooled rows ``[n, dim]``) is the sum in id order of its ids' rows
+    (float32, float16 or bfloat16, read to float32) times ``scale`` (None: 1);
+    slot -1 pools nothing. The bytes of ``ops.pooled_lookup.
+    group_pooled_forward_torch`` with ``missing_as_zero`` (the sums of
+    ``F.embedding_bag``, an FMA per id with a scale), for any ``num_threads``.
+    ``missing``: ids of a table (``table_idx >= 0``; 0 without ``table_idx``)
+    whose slot is -1."""
+    n = slots.numel()
+    num_bags = n if offsets is None else offsets.numel() - 1
+    out = torch.empty(max(num_bags, 0), weights.shape[1] if weights.dim() == 2 else 0)
+    missing = torch.zeros(1, dtype=torch.int64)
+    _pooled_call(
+        "pooled_forward", weights, n, offsets, out, None, num_threads,
+        slots=tensor_ptr(slots, "slots", torch.int64, (n,)),
+        scale=tensor_ptr(scale, "scale", torch.float32, (n,), optional=True),
+        table_idx=tensor_ptr(table_idx, "table_idx", torch.int64, (n,), optional=True),
+        missing=missing.data_ptr(),
+    )  # fmt: skip
+    return out, int(missing)
+
+
+def pooled_eval(
+    keys: torch.Tensor,
+    bucket_offset: torch.Tensor,
+    num_buckets: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor | None,
+    table_of_bag: torch.Tensor,
+    per_sample_weights: torch.Tensor | None = None,
+    mean_of_bag: torch.Tensor | None = None,
+    out_offset: torch.Tensor | None = None,
+    out_shape: tuple[int, int] | None = None,
+    num_threads: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused eval lookup of a group: probe and pool in one pass, ``(out, hits
+    [T], seen [T])``.
+
+    ``table_of_bag [B]``: the table of each bag's ids (-1: not the group's bag);
+    ``offsets [B + 1]`` (None: id ``b`` is bag ``b``, rows unpooled). Each id is
+    probed as ``lookup_eval_group`` probes it; a found row is pooled times its
+    multiplier (``per_sample_weights``, divided by the bag length where
+    ``mean_of_bag``: what ``Bags.build`` computes), a missing id pools nothing.
+    ``out``: ``out_shape`` float32 with bag ``b``'s row at flat offset
+    ``out_offset[b]`` (-1: a bag not written), or ``[B, dim]``. ``hits`` /
+    ``seen``: ids of each table found / looked up."""
+    T = bucket_offset.numel()
+    n = ids.numel()
+    num_bags = n if offsets is None else offsets.numel() - 1
+    dim = weights.shape[1] if weights.dim() == 2 else 0
+    shape = out_shape if out_shape is not None else (max(num_bags, 0), dim)
+    if out_offset is None and out_shape is not None:
+        raise ValueError("pooled_eval: out_shape needs out_offset")
+    out = torch.empty(shape)
+    hits = torch.empty(T, dtype=torch.int64)
+    seen = torch.empty(T, dtype=torch.int64)
+    if mean_of_bag is not None:
+        mean_of_bag = mean_of_bag.to(torch.uint8)
+    _pooled_call(
+        "pooled_eval", weights, n, offsets, out, out_offset, num_threads,
+        per_sample_weights=tensor_ptr(
+            per_sample_weights, "per_sample_weights", torch.float32, (n,), optional=True
+        ),
+        mean_of_bag=tensor_ptr(mean_of_bag, "mean_of_bag", torch.uint8, (num_bags,), optional=True),
+        table_of_bag=tensor_ptr(table_of_bag, "table_of_bag", torch.int64, (num_bags,)),
+        num_tables=T,
+        keys=tensor_ptr(keys, "keys", torch.int64, (-1, WAYS)),
+        num_buckets_total=keys.shape[0],
+        bucket_offset=tensor_ptr(bucket_offset, "bucket_offset", torch.int64, (T,)),
+        num_buckets=tensor_ptr(num_buckets, "num_buckets", torch.int64, (T,)),
+        ids=tensor_ptr(ids, "ids", torch.int64, (n,)),
+        hits=hits.data_ptr(),
+        seen=seen.data_ptr(),
+    )  # fmt: skip
+    return out, hits, seen
+
+
 __all__ = [
     "CounterIndex",
     "NativeOpError",
@@ -716,6 +851,8 @@ __all__ = [
     "lookup_eval_group",
     "lookup_train_group",
     "place",
+    "pooled_eval",
+    "pooled_forward",
     "read_records",
     "record_checksum",
     "scatter_rows",

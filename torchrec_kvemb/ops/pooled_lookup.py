@@ -54,12 +54,29 @@ def group_pooled_forward_torch(
     )
     if missing_as_zero:
         return out
+    add_initial_rows(out, slots, ids, table_idx, bags, init_specs)
+    return out
+
+
+def add_initial_rows(
+    out: torch.Tensor,
+    slots: torch.Tensor,
+    ids: torch.Tensor,
+    table_idx: torch.Tensor,
+    bags: Bags,
+    init_specs: tuple[InitSpec, ...],
+) -> None:
+    """Add to the pooled rows ``out [B, dim]`` the initial rows of the ids of a table
+    without a row (slot -1), times their scale, in place: the last step of
+    ``group_pooled_forward_torch``, which the native kernel's sums take too."""
+    stored = slots >= 0
     for t, spec in enumerate(init_specs):
         missing = ((~stored) & (table_idx == t)).nonzero().squeeze(1)
         if missing.numel():
-            rows = init_rows(ids[missing], weights.shape[1], spec.seed, spec.normal, spec.a, spec.b)
-            out.index_add_(0, bags.bag_of[missing], rows * scale[missing].unsqueeze(1))
-    return out
+            rows = init_rows(ids[missing], out.shape[1], spec.seed, spec.normal, spec.a, spec.b)
+            if bags.scale is not None:
+                rows = rows * bags.scale[missing].unsqueeze(1)
+            out.index_add_(0, bags.bag_of[missing], rows)
 
 
 def group_rows_forward_torch(
@@ -82,14 +99,41 @@ def group_rows_forward_torch(
     rows.index_fill_(0, missing, 0.0)
     if missing_as_zero:
         return rows
+    copy_initial_rows(rows, missing, ids, table_idx, init_specs)
+    return rows
+
+
+def copy_initial_rows(
+    rows: torch.Tensor,
+    missing: torch.Tensor,
+    ids: torch.Tensor,
+    table_idx: torch.Tensor,
+    init_specs: tuple[InitSpec, ...],
+) -> None:
+    """Write into ``rows [n, dim]`` the initial rows of the ``missing`` ids (positions
+    of ids without a row) of a table, in place: the last step of
+    ``group_rows_forward_torch``, which the native kernel's rows take too."""
     missing_table = table_idx[missing]
     for t, spec in enumerate(init_specs):
         mine = missing[missing_table == t]
         if mine.numel():
-            dim = weights.shape[1]
+            dim = rows.shape[1]
             fresh = init_rows(ids[mine], dim, spec.seed, spec.normal, spec.a, spec.b)
             rows.index_copy_(0, mine, fresh)
-    return rows
+
+
+def place_bags(
+    pooled: torch.Tensor, bag_list: torch.Tensor, out_offset: torch.Tensor, shape: tuple[int, int]
+) -> torch.Tensor:
+    """The rows ``pooled [B, dim]`` of the bags ``bag_list`` at their flat offsets
+    ``out_offset`` in a new float32 tensor of ``shape`` (which those bags cover): what
+    the fused eval lookup writes in place (``kvemb::pooled_eval_group``)."""
+    dim = pooled.shape[1]
+    out = pooled.new_empty(shape)
+    where = out_offset.index_select(0, bag_list).unsqueeze(1)
+    where = where + torch.arange(dim, device=pooled.device)
+    out.view(-1).index_copy_(0, where.reshape(-1), pooled.index_select(0, bag_list).reshape(-1))
+    return out
 
 
 def group_pooled_backward_torch(

@@ -1,0 +1,276 @@
+// Pooled forward of a group by slot, and the fused eval lookup (probe + pool).
+//
+// The bags are cut into tasks of consecutive bags of about kIdsPerTask ids; a
+// task probes its ids (eval: probe_pipelined, probe.h), then sums each bag in
+// id order with the row of id i + kRowAhead prefetched, and writes the bag's
+// row once. A bag is one task's, so the result does not depend on the threads.
+//
+// The sums are what the torch path (ops/pooled_lookup.py) gets from
+// F.embedding_bag on the CPU, bit for bit: fbgemm's kernel adds rows without
+// per-sample weights and accumulates fma(weight, row, acc) with them (so does
+// its reference code); an id of weight 0 there is one skipped here. FMA needs
+// hardware support to be fast: on x86-64 the weighted sums run in a clone built
+// for FMA where the CPU has it (both builds: -mavx2 does not imply -mfma), and
+// in std::fma's exact, slower, library code elsewhere.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "kvemb_native.h"
+#include "parallel.h"
+#include "probe.h"
+#include "row_dtype.h"
+
+using namespace kvemb;
+
+namespace {
+
+// A task's ids: its slots and tables stay in L2 between the probe and the sums.
+constexpr int64_t kIdsPerTask = 4096;
+// Ids between a row's prefetch and its sum (why 8: a row of 64 float32 is four
+// cache lines; 8 rows in flight cover a DRAM miss at ~25 ns of sum per row).
+constexpr int64_t kRowAhead = 8;
+
+#define KV_ALWAYS_INLINE inline __attribute__((always_inline))
+
+struct Float32Rows {
+  using T = float;
+  static KV_ALWAYS_INLINE float at(const T* row, int64_t j) { return row[j]; }
+};
+struct Float16Rows {
+  using T = uint16_t;
+  static KV_ALWAYS_INLINE float at(const T* row, int64_t j) { return half_bits_to_float(row[j]); }
+};
+struct BFloat16Rows {
+  using T = uint16_t;
+  static KV_ALWAYS_INLINE float at(const T* row, int64_t j) {
+    return bfloat16_bits_to_float(row[j]);
+  }
+};
+
+// What a task's sums read: the arguments, the slots of the task's ids
+// [ids_begin, ids_end) (slots[0] is id ids_begin's).
+struct Sums {
+  const KvPooledArgs* a;
+  const int64_t* slots;
+  int64_t ids_begin;
+  int64_t ids_end;
+  float* acc;      // [dim] scratch
+  int* status;     // raised to KV_BAD_ARGUMENT by a slot outside the rows
+};
+
+template <class R, bool kWeighted>
+KV_ALWAYS_INLINE void sum_bags_body(const Sums& s, int64_t b0, int64_t b1) {
+  const KvPooledArgs& a = *s.a;
+  const int64_t dim = a.dim;
+  const auto* weights = static_cast<const typename R::T*>(a.weights);
+  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(typename R::T));
+  float* acc = s.acc;
+  for (int64_t b = b0; b < b1; ++b) {
+    if (a.out_offset && a.out_offset[b] < 0) continue;
+    const int64_t lo = a.offsets ? a.offsets[b] : b;
+    const int64_t hi = a.offsets ? a.offsets[b + 1] : b + 1;
+    // Bags.build's divisor: the length (at least 1) where the bag pools by MEAN.
+    const float divisor =
+        a.mean_of_bag && a.mean_of_bag[b] ? static_cast<float>(std::max<int64_t>(hi - lo, 1)) : 1.0f;
+    for (int64_t j = 0; j < dim; ++j) acc[j] = 0.0f;
+    for (int64_t i = lo; i < hi; ++i) {
+      if (i + kRowAhead < s.ids_end) {
+        const int64_t ahead = s.slots[i + kRowAhead - s.ids_begin];
+        if (ahead >= 0 && ahead < a.num_rows) {
+          const char* p = reinterpret_cast<const char*>(weights + ahead * dim);
+          for (int64_t k = 0; k < row_bytes; k += 64) __builtin_prefetch(p + k);
+        }
+      }
+      const int64_t slot = s.slots[i - s.ids_begin];
+      if (slot < 0) continue;
+      if (slot >= a.num_rows) {
+        *s.status = std::max<int>(*s.status, KV_BAD_ARGUMENT);
+        continue;
+      }
+      const typename R::T* row = weights + slot * dim;
+      if (kWeighted) {
+        float w = 1.0f;
+        if (a.scale) {
+          w = a.scale[i];
+        } else {
+          w = (a.per_sample_weights ? a.per_sample_weights[i] : 1.0f) / divisor;
+        }
+        for (int64_t j = 0; j < dim; ++j) acc[j] = __builtin_fmaf(w, R::at(row, j), acc[j]);
+      } else {
+        for (int64_t j = 0; j < dim; ++j) acc[j] += R::at(row, j);
+      }
+    }
+    float* dst = a.out + (a.out_offset ? a.out_offset[b] : b * dim);
+    std::memcpy(dst, acc, static_cast<size_t>(dim) * sizeof(float));
+  }
+}
+
+template <class R, bool kWeighted>
+void sum_bags_plain(const Sums& s, int64_t b0, int64_t b1) {
+  sum_bags_body<R, kWeighted>(s, b0, b1);
+}
+
+#if defined(__x86_64__)
+template <class R>
+__attribute__((target("fma"))) void sum_bags_fma(const Sums& s, int64_t b0, int64_t b1) {
+  sum_bags_body<R, true>(s, b0, b1);
+}
+
+bool cpu_has_fma() {
+  static const bool has = __builtin_cpu_supports("fma");
+  return has;
+}
+#endif
+
+using SumBags = void (*)(const Sums&, int64_t, int64_t);
+
+template <class R>
+SumBags sum_bags_for(bool weighted) {
+  if (!weighted) return sum_bags_plain<R, false>;
+#if defined(__x86_64__)
+  if (cpu_has_fma()) return sum_bags_fma<R>;
+#endif
+  return sum_bags_plain<R, true>;
+}
+
+SumBags sum_bags_of(int64_t dtype, bool weighted) {
+  switch (dtype) {
+    case KV_ROWS_FLOAT32:
+      return sum_bags_for<Float32Rows>(weighted);
+    case KV_ROWS_FLOAT16:
+      return sum_bags_for<Float16Rows>(weighted);
+    case KV_ROWS_BFLOAT16:
+      return sum_bags_for<BFloat16Rows>(weighted);
+    default:
+      return nullptr;
+  }
+}
+
+// A worker's scratch and counters.
+struct Worker {
+  std::vector<int64_t> table, slots, hits, seen;
+  std::vector<float> acc;
+  int64_t missing = 0;
+  int status = KV_OK;
+};
+
+int check_args(const KvPooledArgs& a) {
+  const int64_t B = a.num_bags, n = a.n, dim = a.dim;
+  if (B < 0 || n < 0 || dim < 0 || a.num_rows < 0 || a.num_tables < 0 || !a.out) {
+    return KV_BAD_ARGUMENT;
+  }
+  if (a.offsets) {
+    if (a.offsets[0] != 0 || a.offsets[B] != n) return KV_BAD_ARGUMENT;
+    for (int64_t b = 0; b < B; ++b) {
+      if (a.offsets[b + 1] < a.offsets[b]) return KV_BAD_ARGUMENT;
+    }
+  } else if (B != n) {
+    return KV_BAD_ARGUMENT;
+  }
+  if (a.out_offset) {
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t o = a.out_offset[b];
+      if (o < -1 || (o >= 0 && o + dim > a.out_numel)) return KV_BAD_ARGUMENT;
+    }
+  } else if (B * dim > a.out_numel) {
+    return KV_BAD_ARGUMENT;
+  }
+  if (!a.slots && (!a.keys || !a.ids)) return KV_BAD_ARGUMENT;
+  return KV_OK;
+}
+
+}  // namespace
+
+extern "C" int kv_pooled_forward(const KvPooledArgs* args) {
+  const KvPooledArgs& a = *args;
+  const int64_t T = a.num_tables;
+  if (a.hits) std::fill(a.hits, a.hits + T, 0);
+  if (a.seen) std::fill(a.seen, a.seen + T, 0);
+  if (a.missing) *a.missing = 0;
+  if (int status = check_args(a); status != KV_OK) return status;
+  const bool weighted = a.scale || a.per_sample_weights || a.mean_of_bag;
+  const SumBags sum_bags = sum_bags_of(a.weights_dtype, weighted);
+  if (!sum_bags) return KV_BAD_ARGUMENT;
+  GroupIndex index;
+  if (!a.slots &&
+      index.init(a.keys, a.num_buckets_total, a.bucket_offset, a.num_buckets, T) != KV_OK) {
+    return KV_BAD_ARGUMENT;
+  }
+  const int64_t B = a.num_bags, n = a.n;
+  const bool tables = a.table_of_bag || a.table_idx;
+  const bool count = a.seen || a.missing || !a.slots;  // per-id tables needed
+
+  // Tasks: consecutive bags, about n / tasks ids each.
+  const int64_t tasks = std::max<int64_t>(1, (n + kIdsPerTask - 1) / kIdsPerTask);
+  std::vector<int64_t> first_bag(static_cast<size_t>(tasks + 1));
+  for (int64_t k = 0; k <= tasks; ++k) {
+    const int64_t target = slice_begin(n, tasks, k);
+    first_bag[k] =
+        k == tasks ? B
+        : a.offsets ? std::lower_bound(a.offsets, a.offsets + B + 1, target) - a.offsets
+                    : target;
+    first_bag[k] = std::min(first_bag[k], B);
+  }
+  const int64_t workers = worker_count(tasks, a.num_threads);
+  std::vector<Worker> scratch(static_cast<size_t>(workers));
+  for (Worker& w : scratch) {
+    w.hits.assign(static_cast<size_t>(T), 0);
+    w.seen.assign(static_cast<size_t>(T), 0);
+    w.acc.resize(static_cast<size_t>(std::max<int64_t>(a.dim, 1)));
+  }
+
+  const bool ok = parallel_for(tasks, a.num_threads, [&](int64_t task, int64_t worker) {
+    Worker& w = scratch[worker];
+    const int64_t b0 = first_bag[task], b1 = first_bag[task + 1];
+    if (b0 >= b1) return;
+    const int64_t i0 = a.offsets ? a.offsets[b0] : b0;
+    const int64_t i1 = a.offsets ? a.offsets[b1] : b1;
+    const int64_t m = i1 - i0;
+    const int64_t* table = nullptr;
+    if (count && m > 0) {
+      if (static_cast<int64_t>(w.table.size()) < m) w.table.resize(static_cast<size_t>(m));
+      int64_t* tab = w.table.data();
+      if (a.table_idx) {
+        std::copy(a.table_idx + i0, a.table_idx + i1, tab);
+      } else if (a.table_of_bag) {
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t lo = a.offsets ? a.offsets[b] : b;
+          const int64_t hi = a.offsets ? a.offsets[b + 1] : b + 1;
+          std::fill(tab + (lo - i0), tab + (hi - i0), a.table_of_bag[b]);
+        }
+      } else {
+        std::fill(tab, tab + m, -1);
+      }
+      table = tab;
+      if (a.seen) {
+        for (int64_t j = 0; j < m; ++j) {
+          if (tab[j] >= 0 && tab[j] < T) ++w.seen[tab[j]];
+        }
+      }
+    }
+    const int64_t* slots = a.slots ? a.slots + i0 : nullptr;
+    if (!slots && m > 0) {
+      if (static_cast<int64_t>(w.slots.size()) < m) w.slots.resize(static_cast<size_t>(m));
+      probe_pipelined(index, a.ids + i0, table, m, w.slots.data(), w.hits.data(), &w.status);
+      slots = w.slots.data();
+    }
+    if (a.missing && tables) {
+      for (int64_t j = 0; j < m; ++j) w.missing += table[j] >= 0 && slots[j] < 0;
+    }
+    const Sums sums{&a, slots, i0, i1, w.acc.data(), &w.status};
+    sum_bags(sums, b0, b1);
+  });
+  if (!ok) return KV_OUT_OF_MEMORY;
+  int status = KV_OK;
+  for (const Worker& w : scratch) status = std::max(status, w.status);
+  if (status != KV_OK) return status;
+  for (const Worker& w : scratch) {
+    for (int64_t t = 0; t < T; ++t) {
+      if (a.hits) a.hits[t] += w.hits[t];
+      if (a.seen) a.seen[t] += w.seen[t];
+    }
+    if (a.missing) *a.missing += w.missing;
+  }
+  return KV_OK;
+}

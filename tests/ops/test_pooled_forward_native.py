@@ -1,0 +1,196 @@
+"""The native pooled forward by slot and the fused eval lookup (``csrc/pooled_forward.cpp``)
+against the torch path, bit for bit.
+
+``native.pooled_forward`` against ``group_pooled_forward_torch`` /
+``group_rows_forward_torch``; ``native.pooled_eval`` (probe and pool in one pass)
+against the per-table lookup, then the torch forward; the whole collection's
+eval and training forward on the native kernels against
+``TORCHREC_KVEMB_BACKEND=torch``. Float32, float16 and bfloat16 rows; plain,
+weighted and MEAN bags; empty bags, missing ids, ids of no table of the group;
+1, 2 and 3 threads give the same bytes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_kvemb import KVEmbeddingBagCollection, KVTableOptions
+from torchrec_kvemb.backend import ENV_VAR
+from torchrec_kvemb.contracts import Bags
+from torchrec_kvemb.group import KVTableGroup
+from torchrec_kvemb.ops import native
+from torchrec_kvemb.ops.pooled_lookup import (
+    group_pooled_forward_torch,
+    group_rows_forward_torch,
+    place_bags,
+)
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native library not built")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+BAGS = ["sum", "weighted", "mean", "weighted-mean"]
+THREADS = (1, 2, 3)
+
+
+class Batch:
+    """Bags of some kind: ``offsets``, ``n`` ids, per-sample ``weights`` and ``mean``
+    (a bool per bag) or None, and their ``Bags``."""
+
+    def __init__(self, kind: str, gen: torch.Generator) -> None:
+        lengths = torch.randint(0, 7, (41,), generator=gen)
+        lengths[[0, 9, 40]] = 0  # empty bags, the first and last among them
+        self.n = int(lengths.sum())
+        self.offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+        self.weights = torch.rand(self.n, generator=gen) if "weighted" in kind else None
+        self.mean = torch.rand(41, generator=gen) < 0.6 if "mean" in kind else None
+        mean = self.mean if self.mean is not None else False
+        self.bags = Bags.build(self.offsets, self.n, self.weights, mean)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", BAGS)
+def test_pooled_forward_is_the_torch_forward(dtype, kind):
+    gen = torch.Generator().manual_seed(11)
+    weights = torch.randn(103, 13, generator=gen).to(dtype)
+    batch = Batch(kind, gen)
+    offsets, n, bags = batch.offsets, batch.n, batch.bags
+    table_idx = torch.randint(-1, 3, (n,), generator=gen)
+    slots = torch.randint(-1, 103, (n,), generator=gen)
+    slots[table_idx < 0] = -1
+    want = group_pooled_forward_torch(weights, slots, slots, table_idx, bags, (), True)
+    for threads in THREADS:
+        got, missing = native.pooled_forward(
+            weights, slots, offsets, bags.scale, table_idx, threads
+        )
+        assert torch.equal(got, want), (threads, (got - want).abs().max())
+        assert missing == int(((slots < 0) & (table_idx >= 0)).sum())
+    rows, _ = native.pooled_forward(weights, slots, None, num_threads=2)
+    assert torch.equal(rows, group_rows_forward_torch(weights, slots, slots, table_idx, (), True))
+
+
+def _group(dtype: torch.dtype) -> KVTableGroup:
+    options = [
+        KVTableOptions(capacity=80, weights_dtype=dtype, init_low=-1.0, init_high=1.0),
+        KVTableOptions(capacity=48, weights_dtype=dtype, seed=5),
+        KVTableOptions(capacity=112, weights_dtype=dtype, init_low=-3.0, init_high=2.0),
+    ]
+    group = KVTableGroup(["a", "b", "c"], options, dim=7)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):  # stored rows, and some ids left out by eviction
+        ids = torch.randint(0, 300, (150,), generator=gen)
+        group.lookup_train(ids, torch.randint(-1, 3, (150,), generator=gen))
+    return group
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", BAGS)
+def test_pooled_eval_is_the_lookup_then_the_torch_forward(dtype, kind):
+    group = _group(dtype)
+    gen = torch.Generator().manual_seed(4)
+    batch = Batch(kind, gen)
+    offsets, n, bags = batch.offsets, batch.n, batch.bags
+    ids = torch.randint(0, 400, (n,), generator=gen)  # about half stored
+    table_of_bag = torch.randint(-1, 3, (41,), generator=gen)
+    table_idx = table_of_bag[bags.bag_of]
+    layout, keys = group.layout, group.storage.keys
+    slots = group.lookup_eval_per_table(ids, table_idx)
+    pooled = group_pooled_forward_torch(group.weights, slots, ids, table_idx, bags, (), True)
+    bag_list = (table_of_bag >= 0).nonzero().squeeze(1)
+    out_offset = torch.full((41,), -1)
+    out_offset[bag_list] = torch.randperm(bag_list.numel(), generator=gen) * 7
+    shape = (bag_list.numel(), 7)
+    want = place_bags(pooled, bag_list, out_offset, shape)
+    seen = torch.bincount(table_idx[table_idx >= 0], minlength=3)
+    hits = torch.bincount(table_idx[slots >= 0], minlength=3)
+    for threads in THREADS:
+        got, got_hits, got_seen = native.pooled_eval(
+            keys, layout.bucket_offset, layout.num_buckets, group.weights, ids, offsets,
+            table_of_bag, batch.weights, batch.mean, out_offset, shape, num_threads=threads,
+        )  # fmt: skip
+        assert torch.equal(got, want), (threads, (got - want).abs().max())
+        assert torch.equal(got_hits, hits) and torch.equal(got_seen, seen)
+    rows, _, _ = native.pooled_eval(
+        keys, layout.bucket_offset, layout.num_buckets, group.weights, ids, None, table_idx
+    )
+    assert torch.equal(
+        rows, group_rows_forward_torch(group.weights, slots, ids, table_idx, (), True)
+    )
+
+
+def test_pooled_eval_refuses_bad_ids_and_offsets():
+    group = _group(torch.float32)
+    layout, keys = group.layout, group.storage.keys
+    args = (keys, layout.bucket_offset, layout.num_buckets, group.weights)
+    with pytest.raises(Exception, match="ids must be >= 0"):
+        native.pooled_eval(*args, torch.tensor([4, -2]), torch.tensor([0, 2]), torch.tensor([1]))
+    with pytest.raises(native.NativeOpError, match="inconsistent"):
+        native.pooled_eval(*args, torch.tensor([4, 2]), torch.tensor([0, 3]), torch.tensor([1]))
+    with pytest.raises(ValueError, match="table_idx"):
+        native.pooled_eval(*args, torch.tensor([4, 2]), torch.tensor([0, 2]), torch.tensor([3]))
+
+
+# ----------------------------------------------------------- whole collections
+def _ebc(dtype: torch.dtype, pooling: PoolingType, weighted: bool) -> KVEmbeddingBagCollection:
+    configs = [
+        EmbeddingBagConfig(name="a", embedding_dim=5, num_embeddings=2**40,
+                           feature_names=["x", "y"], pooling=pooling),
+        EmbeddingBagConfig(name="b", embedding_dim=3, num_embeddings=2**40,
+                           feature_names=["z", "x"], pooling=pooling),
+        EmbeddingBagConfig(name="c", embedding_dim=5, num_embeddings=2**40,
+                           feature_names=["w"], pooling=PoolingType.SUM),
+    ]  # fmt: skip
+    options = {
+        "a": KVTableOptions(capacity=64, weights_dtype=dtype, init_low=-1.0, init_high=1.0),
+        "b": KVTableOptions(capacity=32, weights_dtype=dtype, admission_threshold=2),
+        "c": KVTableOptions(capacity=48, weights_dtype=dtype, init_low=-0.5, init_high=0.5),
+    }
+    return KVEmbeddingBagCollection(configs, options, is_weighted=weighted)
+
+
+def _batches(weighted: bool, steps: int = 3, batch: int = 9):
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(steps):
+        lengths = torch.randint(0, 6, (4 * batch,), generator=gen)
+        values = torch.randint(0, 90, (int(lengths.sum()),), generator=gen) * 7919
+        weights = torch.rand(values.numel(), generator=gen) if weighted else None
+        yield KeyedJaggedTensor.from_lengths_sync(
+            keys=["w", "x", "y", "z"], values=values, lengths=lengths, weights=weights
+        )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("pooling", [PoolingType.SUM, PoolingType.MEAN], ids=lambda p: p.name)
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+def test_collection_forward_is_the_torch_path(dtype, pooling, weighted, monkeypatch):
+    """Two groups (dims 5 and 3), a feature read by two tables, admission (training
+    ids without a row pool their initial rows): training and eval outputs and the
+    eval metrics of the native kernels equal the torch path's, for 1 and 3 threads."""
+    calls = []
+    real = native.pooled_eval
+    monkeypatch.setattr(native, "pooled_eval", lambda *a, **k: calls.append(1) or real(*a, **k))
+    runs = {}
+    before = torch.get_num_threads()
+    try:
+        for backend, threads in (("torch", 1), ("auto", 1), ("auto", 3)):
+            monkeypatch.setenv(ENV_VAR, backend)
+            torch.set_num_threads(threads)
+            ebc = _ebc(dtype, pooling, weighted)
+            outs = []
+            for kjt in _batches(weighted):
+                ebc.train()
+                outs.append(ebc(kjt).values().detach())  # stores rows
+                ebc.eval()
+                outs.append(ebc(kjt).values())
+            metrics = [ebc.table(n).metrics() for n in "abc"]
+            runs[(backend, threads)] = outs, [(m["hits"], m["misses"]) for m in metrics]
+    finally:
+        torch.set_num_threads(before)
+    assert len(calls) == 2 * 2 * 3, "the native eval runs once per group and batch"
+    want = runs[("torch", 1)]
+    for key, got in runs.items():
+        for step, (g, w) in enumerate(zip(got[0], want[0], strict=True)):
+            assert torch.equal(g, w), (key, step, (g - w).abs().max())
+        assert got[1] == want[1], key
