@@ -252,12 +252,8 @@ class KVBagLookup:
         for g, group in enumerate(self.groups):
             out_offset = plan.out_offsets[g] if in_place else None
             shape = (stride, plan.widths[g]) if in_place else None
-            blocks.append(
-                pooled_eval(
-                    group, ids, offsets, plan.table_of_bag[g], weights, mean, plan.bag_lists[g],
-                    out_offset, shape,
-                )  # fmt: skip
-            )
+            args = (ids, offsets, plan.table_of_bag[g], weights, mean, plan.bag_lists[g])
+            blocks.append(pooled_eval(group, *args, out_offset, shape))
         if not in_place:
             return plan.variable_batch_output(blocks).to(ids.device)
         if not blocks:
