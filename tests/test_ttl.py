@@ -416,8 +416,26 @@ def test_a_memory_budget_and_the_planner_hold_the_last_steps_too(policy):
 
 
 def test_sharded_ttl_tables_free_as_the_unsharded_one(tmp_path):
-    # one 2-rank job: row-wise and table-wise (tests/sharding/ttl_worker.py)
+    # one 2-rank job: row-wise and table-wise (tests/sharding/ttl_worker.py), and a
+    # row-wise checkpoint that loads at world size 1 with its last steps
+    from tests.sharding import dist_worker as base
+    from tests.sharding.ttl_worker import MORE, OPTIONS, STEPS, unsharded_steps
+
     result_path = tmp_path / "result.json"
-    job = run_job(torchrun_command(2, "-m", "tests.sharding.ttl_worker", str(result_path)))
+    job = run_job(
+        torchrun_command(2, "-m", "tests.sharding.ttl_worker", str(result_path), str(tmp_path))
+    )
     result = read_result(result_path, job)
-    assert_scenarios_passed(result, job, {"ttl_row_wise", "ttl_table_wise"})
+    scenarios = {"ttl_row_wise", "ttl_table_wise", "ttl_checkpoint_row_wise"}
+    assert_scenarios_passed(result, job, scenarios)
+    model = base.EBCModel(
+        KVEmbeddingBagCollection(base.kv_configs(2**40), OPTIONS, fused_params=base.ADAGRAD)
+    )
+    checkpoint.load(model, tmp_path / "ckpt")
+    freed = model.ebc.table("user").metrics()["ttl_evictions"]
+    want = torch.load(tmp_path / "held.pt")
+    got = unsharded_steps(model, STEPS, MORE)
+    for step, (g, w) in enumerate(zip(got, want, strict=True), start=STEPS + 1):
+        for name in OPTIONS:
+            assert torch.equal(g[name], w[name]), f"step {step} table {name}"
+    assert model.ebc.table("user").metrics()["ttl_evictions"] > freed
