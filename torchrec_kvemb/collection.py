@@ -1,10 +1,13 @@
 """What the unsharded KV collections (bags and sequences) share: their tables by
-name, as layouts for state_dict and checkpoints, and their counters.
+name, as layouts for state_dict and checkpoints, their counters, and the optimizer
+``apply_optimizer_in_backward`` marks their weights with.
 
 Example::
 
     class KVEmbeddingCollection(KVTablesMixin, nn.Module):
-        ...   # sets self._tables (name -> KVTable) and self._device
+        ...   # sets self._tables (name -> KVTable), self._device, self._fused_params,
+              # self._optims (name -> FusedOptimConfig), and builds its lookup in
+              # _build_lookup(optims)
 """
 
 from collections.abc import Iterator
@@ -13,6 +16,7 @@ import torch
 from torch import nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
+from torchrec_kvemb.optimizer import FusedOptimConfig, FusedParamsError, marked_fused_params
 from torchrec_kvemb.state_dict.layout import TableLayout
 from torchrec_kvemb.table import KVTable
 
@@ -21,6 +25,20 @@ class KVTablesMixin:
     """``table``, ``kv_tables``, ``kv_layouts``, ``metrics`` and ``device`` of a module
     that sets ``_tables`` (its ``KVTable`` s by name) and ``_device``, and its
     ``named_modules`` as a stock collection's.
+
+    **apply_optimizer_in_backward.** Each table's placeholder weight
+    (``<entries_attribute>.<table>.weight``) takes torch's
+    ``apply_optimizer_in_backward`` as a stock table's weight does. A mark is read at
+    once (:meth:`optimizer_marked`): the class and kwargs translate as TorchRec's
+    sharders translate them, merged over the collection's ``fused_params``, or are
+    refused naming the table. The tables take the new optimizers before their next
+    use (forward, ``table``, ``kv_tables``, ``state_dict``, a sharder): the
+    collection's lookup is built again then, once for any number of marks. A KV
+    table keeps its optimizer's state in its rows, so a mark that changes a table's
+    optimizer after the collection trained or was given rows is refused, and so is
+    one that changes the state layout of a table with an SSD tier (its files are
+    laid out when it is built): build the collection with
+    ``fused_params=fused_params_of_torch_optimizer(cls, kwargs)`` instead.
 
     No attribute annotations on the class and no postponed annotations in this
     module: ``torch.jit.script`` of a collection reads the class's attribute
@@ -33,19 +51,91 @@ class KVTablesMixin:
 
     def table(self, name: str) -> KVTable:
         """The KVTable named ``name``."""
+        self.apply_marked_optimizers()
         return self._tables[name]
 
     def kv_tables(self) -> dict[str, KVTable]:
         """Every KVTable by name."""
+        self.apply_marked_optimizers()
         return dict(self._tables)
 
     def kv_layouts(self) -> list[TableLayout]:
         """Every table as its state_dict and checkpoints see it (whole, in this process)."""
+        self.apply_marked_optimizers()
         return [TableLayout.unsharded(table) for table in self._tables.values()]
 
     def metrics(self) -> dict[str, dict[str, float]]:
         """``KVTable.metrics()`` of every table, by name."""
+        self.apply_marked_optimizers()
         return {name: t.metrics() for name, t in self._tables.items()}
+
+    # ------------------------------------------------ apply_optimizer_in_backward
+    def table_weight(self, name: str) -> nn.Parameter:
+        """The placeholder weight of table ``name`` (``[0, dim]``): the parameter
+        ``apply_optimizer_in_backward`` marks."""
+        return getattr(self, self._entries_attribute)[name].weight
+
+    def marked_optims(self) -> dict[str, FusedOptimConfig]:
+        """Each table's optimizer: the collection's ``fused_params`` with what
+        ``apply_optimizer_in_backward`` marked the table's weight with merged over them
+        (TorchRec's ``merge_fused_params``), read by ``FusedOptimConfig.from_fused_params``;
+        a ``FusedParamsError`` names the table whose mark a KV table cannot run."""
+        optims = {}
+        for name, built in self._optims.items():
+            merged = marked_fused_params(self.table_weight(name), self._fused_params, name)
+            optims[name] = (
+                built if merged is None else FusedOptimConfig.from_fused_params(merged, name)
+            )
+        return optims
+
+    def optimizer_marked(self, table: str) -> None:
+        """``apply_optimizer_in_backward`` marked ``table``'s weight: read the marks now
+        (refusing what the tables cannot run); the tables take them before their next
+        use (:meth:`apply_marked_optimizers`)."""
+        optims = self.marked_optims()
+        changed = [n for n, config in optims.items() if config != self._optims[n]]
+        if not changed:
+            return
+        for name, current in self._tables.items():
+            held, trained = current.total_size, current.step
+            if held or trained:
+                raise FusedParamsError(
+                    f"table {table!r}: apply_optimizer_in_backward changes the optimizer of "
+                    f"table {changed[0]!r} ({self._optims[changed[0]]} -> {optims[changed[0]]}) "
+                    f"after table {name!r} trained ({trained} steps) or was given rows "
+                    f"({held} ids); a KV table keeps its optimizer's state in its rows: mark "
+                    "the weights before the first training step and before loading rows"
+                )
+        for name in changed:
+            current = self._tables[name]
+            if current.ssd is not None and (
+                optims[name].state_dim(current.dim) != self._optims[name].state_dim(current.dim)
+            ):
+                raise FusedParamsError(
+                    f"table {name!r}: apply_optimizer_in_backward gives it {optims[name]}, "
+                    "whose state its SSD tier's files, laid out for "
+                    f"{self._optims[name]} when the collection was built, cannot hold; build "
+                    "the collection with fused_params=fused_params_of_torch_optimizer(cls, "
+                    "kwargs) (torchrec_kvemb.optimizer)"
+                )
+        self._marks_pending = True
+
+    @torch.compiler.disable
+    def apply_marked_optimizers(self) -> None:
+        """Give the tables the optimizers ``apply_optimizer_in_backward`` marked their
+        weights with since they were built (a no-op without new marks): the lookup is
+        built again with them, its tables empty as they were. A compiled forward
+        (``torch.compile``) cannot build it: call this (or any eager use of the
+        collection) between the marks and compiling."""
+        if not self._marks_pending:
+            return
+        self._marks_pending = False
+        optims = self.marked_optims()
+        if optims == self._optims:
+            return
+        for current in self._tables.values():
+            current.close()  # an SSD tier's files: the new table opens them again
+        self._build_lookup(optims)
 
     def named_modules(
         self,

@@ -62,6 +62,7 @@ class KVEmbeddingBagCollection(KVTablesMixin, nn.Module):
         # No device: the default one, as the stock module's parameters take it
         # (``with torch.device("meta"):`` builds the tables on meta).
         self._device = torch.device(device) if device is not None else torch.get_default_device()
+        self._fused_params = dict(fused_params or {})
         self._optim = FusedOptimConfig.from_fused_params(fused_params)
         names = [c.name for c in tables]
         if len(set(names)) != len(names):
@@ -71,26 +72,34 @@ class KVEmbeddingBagCollection(KVTablesMixin, nn.Module):
         for config in tables:
             if config.pooling not in (PoolingType.SUM, PoolingType.MEAN):
                 raise ValueError(f"table {config.name!r}: pooling {config.pooling} not supported")
-        self._lookup = KVBagLookup(
-            [
-                BagTable(
-                    c.name, c.embedding_dim, tuple(c.feature_names), c.pooling == PoolingType.MEAN
-                )
-                for c in tables
-            ],
-            {c.name: with_config_init(options_for(options, c.name), c) for c in tables},
-            self._optim,
-            self._device,
-            weights="required" if is_weighted else "ignore",
-        )
-        self._tables = self._lookup.tables()
-        # The lookup as one module call: what fx tracing and scripting see of it.
-        self._pooled = KVPooledModule(self._lookup)
+        self._specs = [
+            BagTable(c.name, c.embedding_dim, tuple(c.feature_names), c.pooling == PoolingType.MEAN)
+            for c in tables
+        ]
+        self._options = {c.name: with_config_init(options_for(options, c.name), c) for c in tables}
+        self._build_lookup({c.name: self._optim for c in tables})
         # Output keys as the stock module names them: a feature read by several
         # tables is "feature@table" for each.
         self._embedding_names = [n for names in get_embedding_names_by_table(tables) for n in names]
         self._dims = [c.embedding_dim for c in tables for _ in c.feature_names]
-        register_unsharded_hooks(self)  # state_dict: docs/checkpoint-format.md
+        # state_dict: docs/checkpoint-format.md; apply_optimizer_in_backward: KVTablesMixin
+        self._entries_attribute = "embedding_bags"
+        self._marks_pending = False
+        register_unsharded_hooks(self, on_mark=self.optimizer_marked)
+
+    def _build_lookup(self, optims: dict[str, FusedOptimConfig]) -> None:
+        """The tables (empty) and their lookup, each table with its optimizer."""
+        self._optims = dict(optims)
+        self._lookup = KVBagLookup(
+            self._specs,
+            self._options,
+            self._optims,
+            self._device,
+            weights="required" if self._is_weighted else "ignore",
+        )
+        self._tables = self._lookup.tables()
+        # The lookup as one module call: what fx tracing and scripting see of it.
+        self._pooled = KVPooledModule(self._lookup)
 
     # ---------------------------------------------------------- TorchRec API
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
@@ -127,8 +136,9 @@ class KVEmbeddingBagCollection(KVTablesMixin, nn.Module):
             starts.append(starts[-1] + n)
         position = {k: i for i, k in enumerate(keys)}
         values = features.values()
+        tables = self.kv_tables()
         for config in self._embedding_bag_configs:
-            table = self._tables[config.name]
+            table = tables[config.name]
             parts = [
                 values[starts[position[f]] : starts[position[f] + 1]]
                 for f in config.feature_names
@@ -149,5 +159,7 @@ class KVEmbeddingBagCollection(KVTablesMixin, nn.Module):
         ``torch.fx.symbolic_trace`` / ``torchrec.fx.symbolic_trace`` and
         ``torch.jit.script`` take this module (the lookup is one opaque call, see
         :mod:`torchrec_kvemb.traceable`)."""
+        if not torch.jit.is_scripting() and self._marks_pending:
+            self.apply_marked_optimizers()
         pooled = self._pooled(features, eviction_scores)
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._dims, values=pooled)

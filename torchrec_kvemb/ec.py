@@ -63,6 +63,7 @@ class KVEmbeddingCollection(KVTablesMixin, nn.Module):
         # (``with torch.device("meta"):`` builds the tables on meta).
         self._device = torch.device(device) if device is not None else torch.get_default_device()
         self._need_indices = need_indices
+        self._fused_params = dict(fused_params or {})
         self._optim = FusedOptimConfig.from_fused_params(fused_params)
         names = [c.name for c in tables]
         if len(set(names)) != len(names):
@@ -72,22 +73,27 @@ class KVEmbeddingCollection(KVTablesMixin, nn.Module):
             raise ValueError(
                 f"the tables of an EmbeddingCollection share one embedding_dim, got {sorted(dims)}"
             )
-        self._lookup = KVSequenceLookup(
-            [BagTable(c.name, c.embedding_dim, tuple(c.feature_names)) for c in tables],
-            {c.name: with_config_init(options_for(options, c.name), c) for c in tables},
-            self._optim,
-            self._device,
-        )
-        self._tables = self._lookup.tables()
-        # The lookup as one module call: what fx tracing and scripting see of it.
-        self._sequences = KVSequenceModule(self._lookup)
+        self._specs = [BagTable(c.name, c.embedding_dim, tuple(c.feature_names)) for c in tables]
+        self._options = {c.name: with_config_init(options_for(options, c.name), c) for c in tables}
+        self._build_lookup({c.name: self._optim for c in tables})
         # Output keys as the stock module names them (a feature read by several
         # tables is "feature@table" for each), and the feature each one reads.
         self._embedding_names = [
             name for names in get_embedding_names_by_table(tables) for name in names
         ]
         self._source_features = [f for c in tables for f in c.feature_names]
-        register_unsharded_hooks(self, attribute="embeddings")  # docs/checkpoint-format.md
+        # state_dict: docs/checkpoint-format.md; apply_optimizer_in_backward: KVTablesMixin
+        self._entries_attribute = "embeddings"
+        self._marks_pending = False
+        register_unsharded_hooks(self, attribute="embeddings", on_mark=self.optimizer_marked)
+
+    def _build_lookup(self, optims: dict[str, FusedOptimConfig]) -> None:
+        """The tables (empty) and their lookup, each table with its optimizer."""
+        self._optims = dict(optims)
+        self._lookup = KVSequenceLookup(self._specs, self._options, self._optims, self._device)
+        self._tables = self._lookup.tables()
+        # The lookup as one module call: what fx tracing and scripting see of it.
+        self._sequences = KVSequenceModule(self._lookup)
 
     # ---------------------------------------------------------- TorchRec API
     def embedding_configs(self) -> list[EmbeddingConfig]:
@@ -111,6 +117,8 @@ class KVEmbeddingCollection(KVTablesMixin, nn.Module):
         """Every feature's rows as a ``JaggedTensor`` (``feature@table`` for a feature
         several tables read); ``eviction_scores`` (per feature, one int per id) feeds
         tables with ``EvictionPolicy.CUSTOM_SCORE``."""
+        if not torch.jit.is_scripting() and self._marks_pending:
+            self.apply_marked_optimizers()
         rows = self._sequences(features, eviction_scores)
         jagged = features.to_dict()
         out: dict[str, JaggedTensor] = {}

@@ -426,3 +426,47 @@ def fused_params_of_torch_optimizer(
         )
     params["optimizer"] = emb
     return params
+
+
+def marked_fused_params(
+    weight: torch.Tensor | None, fused_params: Mapping[str, Any] | None, table: str
+) -> dict[str, Any] | None:
+    """``fused_params`` with the optimizer ``apply_optimizer_in_backward`` marked
+    ``weight`` with merged over them, as TorchRec's sharders merge them for a stock
+    fused table (``merge_fused_params``: the optimizer's ``EmbOptimType`` and its kwargs
+    win, over a key's torch name and FBGEMM's alike: a marked ``lr`` replaces
+    ``learning_rate``, ``betas`` replaces ``beta1`` / ``beta2``); None when ``weight``
+    carries no mark. More than one optimizer on one weight
+    is refused naming ``table`` (TorchRec's sharders take one).
+
+    Example::
+
+        apply_optimizer_in_backward(RowWiseAdagrad, [weight], {"lr": 0.02})
+        marked_fused_params(weight, {"eps": 1e-6}, "user")
+        # {"eps": 1e-6, "learning_rate": 0.02, "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD}
+    """
+    from torchrec.distributed.utils import merge_fused_params
+
+    classes = getattr(weight, "_optimizer_classes", None)
+    if not classes or classes[0] is None:
+        return None
+    if len(classes) > 1:
+        names = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in classes)
+        raise FusedParamsError(
+            f"table {table!r}: apply_optimizer_in_backward gave its weight {len(classes)} "
+            f"optimizers ({names}); a table runs one, as TorchRec's fused tables do"
+        )
+    marked = dict(fused_params_of_torch_optimizer(classes[0], weight._optimizer_kwargs[0], table))
+    base = dict(fused_params or {})
+    # A torch name and FBGEMM's name of one setting are one key: the marked one wins.
+    if {"lr", "learning_rate"} & marked.keys():
+        base.pop("lr", None)
+        base.pop("learning_rate", None)
+    if "betas" in marked:
+        base.pop("beta1", None)
+        base.pop("beta2", None)
+    elif {"beta1", "beta2"} & marked.keys() and "betas" in base:
+        beta1, beta2 = base.pop("betas")
+        base.setdefault("beta1", beta1)
+        base.setdefault("beta2", beta2)
+    return merge_fused_params(base, marked)  # renames the marked "lr" (its own copy)

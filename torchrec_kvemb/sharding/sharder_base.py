@@ -17,9 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
-from torchrec.distributed.utils import merge_fused_params
 
-from torchrec_kvemb.optimizer import FusedOptimConfig, fused_params_of_torch_optimizer
+from torchrec_kvemb.optimizer import FusedOptimConfig, marked_fused_params
 from torchrec_kvemb.options import KVTableOptions, with_config_init
 from torchrec_kvemb.sharding.kv_embedding import KVTableSpecs, optim_config
 from torchrec_kvemb.sharding.planner import KV_COMPUTE_KERNEL, storage_proxy
@@ -186,12 +185,8 @@ class KVSharderBase:
         ``fused_params`` merged with what ``apply_optimizer_in_backward`` marked the
         table's weight with, as TorchRec merges them at shard time (so the planner
         counts that optimizer's state)."""
-        classes = getattr(weight, "_optimizer_classes", None)
-        if not classes or classes[0] is None:
-            return self._optim
-        kwargs = getattr(weight, "_optimizer_kwargs", [{}])[0]
-        marked = fused_params_of_torch_optimizer(classes[0], kwargs, table)
-        return optim_config(merge_fused_params(self.fused_params, dict(marked)), table)
+        merged = marked_fused_params(weight, self.fused_params, table)
+        return self._optim if merged is None else optim_config(merged, table)
 
     def table_specs(self, module: nn.Module) -> KVTableSpecs:
         """The options (and, for a KV module, optimizers) of ``module``'s KV tables."""
@@ -209,11 +204,15 @@ class KVSharderBase:
                     f"table {name!r}: the sharder's KVTableOptions differ from the "
                     f"{kind}'s; its own options are used, drop them from the sharder"
                 )
-            if self.fused_params is not None and self._optim != table.optim:
+            # what the sharder would give a stock table: its fused_params, with what
+            # apply_optimizer_in_backward marked the module's weight with merged over them
+            expected = self._marked_optim(module.table_weight(name), name)
+            if self.fused_params is not None and expected != table.optim:
                 raise ValueError(
-                    f"table {name!r}: the sharder's fused_params describe {self._optim}, the "
-                    f"{kind} was built with {table.optim}; its own optimizer is used, drop "
-                    "fused_params from the sharder"
+                    f"table {name!r}: the sharder's fused_params (with the optimizer "
+                    f"apply_optimizer_in_backward marked) describe {expected}, the {kind} "
+                    f"runs {table.optim}; its own optimizer is used, drop fused_params "
+                    "from the sharder"
                 )
             options[name] = table.options
             optims[name] = table.optim

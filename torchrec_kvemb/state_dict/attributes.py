@@ -22,7 +22,10 @@ Example::
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,6 +48,46 @@ class KVStateKey:
     key: str
 
 
+class MarkedOptimizerKwargs(list):
+    """The ``_optimizer_kwargs`` list of a placeholder that takes
+    ``apply_optimizer_in_backward``: torch appends an optimizer's kwargs to it last,
+    after its instance (``_in_backward_optimizers``) and class (``_optimizer_classes``);
+    the append then calls ``on_mark(table)``, which reads the mark and raises what the
+    table cannot run. A mark ``on_mark`` refuses is taken back from all three lists
+    before the error leaves (torch registers its hook after the append, so none is
+    left). Pickled or copied it is a plain list.
+
+    Example::
+
+        weight._optimizer_kwargs = MarkedOptimizerKwargs(weight, "user", collection.marked)
+    """
+
+    def __init__(self, weight: torch.Tensor, table: str, on_mark: Callable[[str], None]) -> None:
+        super().__init__()
+        # weak: the weight holds this list, and the collection holds the weight
+        self._weight = weakref.ref(weight)
+        self._table = table
+        self._on_mark = weakref.WeakMethod(on_mark)
+
+    def append(self, kwargs: Any) -> None:
+        super().append(kwargs)
+        on_mark = self._on_mark()
+        if on_mark is None:
+            return
+        try:
+            on_mark(self._table)
+        except BaseException:
+            super().pop()
+            weight = self._weight()
+            if weight is not None:
+                weight._optimizer_classes.pop()
+                weight._in_backward_optimizers.pop()
+            raise
+
+    def __reduce__(self) -> tuple:
+        return list, (list(self),)
+
+
 class KVTableEntries(nn.Module):
     """A KV table under ``<attribute>.<table>`` of its collection, as a stock table's
     module: a ``weight`` parameter with no rows (the name a stock table's weight
@@ -55,6 +98,13 @@ class KVTableEntries(nn.Module):
     nothing to ``state_dict()`` and loads nothing itself: the collection's hooks
     write and read the table's entries.
 
+    With ``on_mark`` (an unsharded collection's) the weight takes
+    ``apply_optimizer_in_backward`` as a stock table's does: it requires grad (torch
+    hooks the optimizer on its gradient accumulator; no gradient ever reaches it)
+    and each mark calls ``on_mark(table)`` (:class:`MarkedOptimizerKwargs`), which
+    gives the table that optimizer. Without it (a sharded collection's) the weight
+    requires no grad.
+
     Example::
 
         entries = KVTableEntries("user", dim=8)
@@ -62,13 +112,23 @@ class KVTableEntries(nn.Module):
         entries.exp_avg         # KVStateKey(table='user', key='exp_avg')
     """
 
-    def __init__(self, table: str, dim: int, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        table: str,
+        dim: int,
+        device: torch.device | None = None,
+        on_mark: Callable[[str], None] | None = None,
+    ) -> None:
         super().__init__()
-        weight = nn.Parameter(torch.empty(0, dim, device=device), requires_grad=False)
+        weight = nn.Parameter(torch.empty(0, dim, device=device), requires_grad=on_mark is not None)
         # Updated in backward by the table's fused optimizer, as a stock fused table's
         # weight: TorchRec's in_backward_optimizer_filter leaves it out of dense
         # optimizers (and a CombinedOptimizer beside the fused one).
         weight._in_backward_optimizers = [EmptyFusedOptimizer()]
+        if on_mark is not None:
+            # torch appends to these (it creates them only where the first is missing)
+            weight._optimizer_classes = []
+            weight._optimizer_kwargs = MarkedOptimizerKwargs(weight, table, on_mark)
         self.weight = weight
         self.table = table
 
@@ -105,9 +165,11 @@ def install_table_entries(
     attribute: str,
     tables: dict[str, int],
     device: torch.device | None = None,
+    on_mark: Callable[[str], None] | None = None,
 ) -> None:
     """Give ``module`` a :class:`KVTableEntries` under ``<attribute>.<table>`` for each
-    KV table in ``tables`` (name: dim), its placeholder on ``device``: in its
+    KV table in ``tables`` (name: dim), its placeholder on ``device`` (taking
+    ``apply_optimizer_in_backward`` marks with ``on_mark``): in its
     ``nn.ModuleDict`` ``attribute`` where it has one (a sharded collection's, which
     holds the stock tables' modules too; a KV table's entry replaces the empty module
     there), else in a new one. A table named as an
@@ -129,4 +191,4 @@ def install_table_entries(
                 f"table {name!r}: {attribute}.{name} already holds parameters or buffers; a "
                 "KV table's entries cannot take its place"
             )
-        container[name] = KVTableEntries(name, tables[name], device)
+        container[name] = KVTableEntries(name, tables[name], device, on_mark)

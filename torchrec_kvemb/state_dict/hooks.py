@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,10 +60,16 @@ RESHARD_HINT = (
 )
 
 
-def register_unsharded_hooks(module: nn.Module, attribute: str = "embedding_bags") -> None:
+def register_unsharded_hooks(
+    module: nn.Module,
+    attribute: str = "embedding_bags",
+    on_mark: Callable[[str], None] | None = None,
+) -> None:
     """state_dict / load_state_dict hooks of a module holding whole KV tables
-    (``KVEmbeddingBagCollection``, ``KVEmbeddingCollection``): plain tensors."""
-    _register(module, False, None, attribute)
+    (``KVEmbeddingBagCollection``, ``KVEmbeddingCollection``): plain tensors. Its
+    tables' placeholder weights take ``apply_optimizer_in_backward``, calling
+    ``on_mark(table)`` (a bound method, held weakly) for each mark."""
+    _register(module, False, None, attribute, on_mark)
 
 
 def register_sharded_hooks(
@@ -75,7 +82,11 @@ def register_sharded_hooks(
 
 
 def _register(
-    module: nn.Module, sharded: bool, group: dist.ProcessGroup | None, attribute: str
+    module: nn.Module,
+    sharded: bool,
+    group: dist.ProcessGroup | None,
+    attribute: str,
+    on_mark: Callable[[str], None] | None = None,
 ) -> None:
     # Each entry's key as an attribute path (torch's state-dict helpers walk keys so).
     layouts = module.kv_layouts()
@@ -85,6 +96,7 @@ def _register(
         attribute,
         {layout.name: layout.dim for layout in layouts},
         devices[0] if devices else None,
+        on_mark,
     )
 
     # The hooks get the module as an argument: closing over it would make a
