@@ -1,7 +1,8 @@
 """Helpers shared by the benchmarks: ids, timing, tables, markdown, profiles.
 
 * ``ZipfIds``: bounded Zipf ids with hot ids scattered over the id range;
-  ``spread_ids`` maps them one-to-one into a large (2**40) raw id space.
+  ``UniformIds``: a flat stream; ``spread_ids`` maps them one-to-one into a
+  large (2**40) raw id space.
 * ``time_interleaved``: warm-up, then ``repeats`` timed blocks of ``steps``
   calls per system, systems taking turns block by block, so that every system
   sees the same machine noise; the figure is the median block (per step).
@@ -29,6 +30,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -44,17 +46,24 @@ def set_threads(threads: int | None) -> int:
     return previous
 
 
+class IdSampler(Protocol):
+    """Draws ids: ``sample(n)`` returns ``n`` int64 ids."""
+
+    def sample(self, n: int) -> torch.Tensor: ...
+
+
 class ZipfIds:
     """Bounded Zipf ids in ``[0, rows)``: rank ``k`` (1-based) has probability
     proportional to ``1 / k**alpha``; ranks map to ids by a fixed random
-    permutation, so hot ids are scattered over the table, not packed at row 0.
+    permutation, so hot ids are scattered over the table, not packed at row 0
+    (``scatter=False``: id ``k - 1`` for rank ``k``, the hot ids packed at row 0).
 
     Holds an exact CDF (8 bytes per row). Example::
 
         ids = ZipfIds(rows=1_000_000, alpha=1.05, seed=0).sample(81_920)
     """
 
-    def __init__(self, rows: int, alpha: float, seed: int = 0) -> None:
+    def __init__(self, rows: int, alpha: float, seed: int = 0, scatter: bool = True) -> None:
         if rows <= 0:
             raise ValueError(f"rows must be > 0, got {rows}")
         self.rows = rows
@@ -63,13 +72,32 @@ class ZipfIds:
         weights = torch.arange(1, rows + 1, dtype=torch.float64).pow_(-alpha)
         cdf = torch.cumsum(weights, 0)
         self._cdf = cdf / cdf[-1]
-        self._rank_to_id = torch.randperm(rows, generator=self._generator)
+        # Drawn in both cases, so that the samples of one seed use the same draws.
+        rank_to_id = torch.randperm(rows, generator=self._generator)
+        self._rank_to_id = rank_to_id if scatter else None
 
     def sample(self, n: int) -> torch.Tensor:
         """``n`` ids, int64, drawn independently."""
         u = torch.rand(n, generator=self._generator, dtype=torch.float64)
         ranks = torch.searchsorted(self._cdf, u, right=True).clamp_(max=self.rows - 1)
-        return self._rank_to_id[ranks]
+        return ranks if self._rank_to_id is None else self._rank_to_id[ranks]
+
+
+class UniformIds:
+    """Ids drawn uniformly from ``[0, id_range)``: a flat stream, no hot ids. Example::
+
+    ids = UniformIds(id_range=100_000_000, seed=0).sample(81_920)
+    """
+
+    def __init__(self, id_range: int, seed: int = 0) -> None:
+        if id_range <= 0:
+            raise ValueError(f"id_range must be > 0, got {id_range}")
+        self.rows = id_range
+        self._generator = torch.Generator().manual_seed(seed)
+
+    def sample(self, n: int) -> torch.Tensor:
+        """``n`` ids, int64, drawn independently."""
+        return torch.randint(self.rows, (n,), generator=self._generator, dtype=torch.int64)
 
 
 def spread_ids(ids: torch.Tensor, bits: int = 40) -> torch.Tensor:
@@ -318,6 +346,12 @@ def profile_ops(fn: Callable[[int], object], calls: int, limit: int = 25) -> str
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for i in range(calls):
             fn(i)
+    return ops_table(prof, calls, limit)
+
+
+def ops_table(prof: object, calls: int, limit: int = 25) -> str:
+    """The top ops of a finished ``torch.profiler.profile`` over ``calls`` calls, by
+    self CPU time, in ms per call (``profile_ops``' table)."""
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events)
     rows = [

@@ -3,6 +3,11 @@
 Runs, in turn, each benchmark module's ``main``:
 
 * ``ebc``: KV EBC train/eval vs FBGEMM's TBE and TorchRec's MCH (``benchmarks.ebc_train``);
+* ``matrix``: KV EBC train/eval vs FBGEMM's TBE on four id streams (Zipf 1.05,
+  Zipf 1.2, uniform over 100M ids, tables at capacity evicting every step), each
+  KV step profiled (``benchmarks.matrix --profile``): ``bench_matrix.md``,
+  ``plots/matrix.png``, and ``plots/step_breakdown.png`` (the Zipf 1.05 step by
+  part beside ``benchmarks/data/breakdown_before.json``, ``benchmarks.breakdown``);
 * ``ec``: KV sequence lookups (``KVEmbeddingCollection``) train/eval vs TorchRec's
   ``EmbeddingCollection`` and FBGEMM's sequence TBE (``benchmarks.ec_train``);
 * ``precision``: KV EBC training with float16 / bfloat16 rows vs float32 rows, and
@@ -59,8 +64,13 @@ from benchmarks.common import format_ratio, format_table, machine_summary, markd
 
 #: Tables of the SSD tier's several-table figure (``ssd_tier --tables 4 --sequential``).
 SSD_TABLES = 4
-BENCHMARKS = ("ebc", "ec", "precision", "dist", "ssd", "host", "growth", "checkpoint", "soak")
+BENCHMARKS = (
+    "ebc", "matrix", "ec", "precision", "dist", "ssd", "host", "growth", "checkpoint", "soak",
+)  # fmt: skip
 RESULTS_FILE = "benchmark-results.md"
+MATRIX_FILE = "bench_matrix.md"
+#: The float16 / bfloat16 rows' train target, over float32 rows.
+PRECISION_TARGET = 1.0
 GPU_RESULTS_FILE = "benchmark-results-gpu.md"
 HEADERS = ("benchmark", "ratio", "KV", "baseline", "value", "target", "")
 
@@ -116,6 +126,21 @@ def run_ebc(quick: bool, extra: Sequence[str] = ()) -> tuple[list[Row], object]:
     return rows, result
 
 
+def run_matrix(quick: bool) -> tuple[list[Row], object]:
+    from benchmarks import ebc_train, matrix
+
+    results = matrix.main([*(["--quick"] if quick else []), "--profile"])
+    rows = []
+    for r in results:
+        for mode in ("train", "eval"):
+            kv, tbe = r.get(ebc_train.KV, mode), r.get(ebc_train.TBE, mode)
+            rows.append(
+                Row("matrix", f"{r.stream.name}: KV / TBE {mode}", kv.ids_per_s / 1e6,
+                    tbe.ids_per_s / 1e6, "M ids/s", r.target(mode))
+            )  # fmt: skip
+    return rows, results
+
+
 def run_ec(quick: bool) -> tuple[list[Row], object]:
     from benchmarks import ec_train
 
@@ -137,7 +162,9 @@ def run_precision(quick: bool) -> tuple[list[Row], object]:
     for name in ("float16", "bfloat16"):
         kv = result.ids_per_s(name) / 1e6
         base = result.ids_per_s("float32") / 1e6
-        rows.append(Row("precision", f"KV {name} / float32 train", kv, base, "M ids/s", None))
+        rows.append(
+            Row("precision", f"KV {name} / float32 train", kv, base, "M ids/s", PRECISION_TARGET)
+        )
         per_row = f"KV {name} / float32 bytes per row"
         rows.append(
             Row("precision", per_row, result.bytes_per_row[name],
@@ -299,6 +326,7 @@ def run_gpu(quick: bool, device: str) -> tuple[list[Row], object]:
 
 RUNNERS: dict[str, Callable[[bool], tuple[list[Row], object]]] = {
     "ebc": run_ebc,
+    "matrix": run_matrix,
     "ec": run_ec,
     "precision": run_precision,
     "dist": run_dist,
@@ -330,6 +358,9 @@ def plot_ratios(rows: Sequence[Row], path: Path) -> Path:
 
     colors = {
         "ebc": "tab:blue",
+        "matrix": "tab:cyan",
+        "ec": "tab:olive",
+        "precision": "tab:pink",
         "dist": "tab:orange",
         "ssd": "tab:green",
         "checkpoint": "tab:red",
@@ -379,6 +410,53 @@ def plot_ebc_throughput(result, path: Path) -> Path:
     ax.set_title("EBC throughput per system")
     ax.legend()
     return _save(fig, path)
+
+
+def plot_matrix(results, path: Path) -> Path:
+    """KV / TBE per stream, train and eval side by side, targets as dashed marks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    width = 0.38
+    fig, ax = plt.subplots(figsize=(7.0, 4.0))
+    labelled = False
+    for i, mode in enumerate(("train", "eval")):
+        xs = [k + (i - 0.5) * width for k in range(len(results))]
+        values = [r.ratio(mode) for r in results]
+        bars = ax.bar(xs, values, width, label=mode)
+        ax.bar_label(bars, labels=[format_ratio(v) for v in values], fontsize=8)
+        for x, r in zip(xs, results, strict=True):
+            target = r.target(mode)
+            if target is not None:
+                ax.hlines(target, x - width / 2, x + width / 2, colors="black", linestyles="--",
+                          label=None if labelled else "target")  # fmt: skip
+                labelled = True
+    ax.set_xticks(range(len(results)))
+    ax.set_xticklabels([r.stream.name for r in results])
+    ax.set_ylabel("KV / TBE (ids/s)")
+    ax.set_title("Benchmark matrix: KV EBC over FBGEMM TBE per id stream")
+    ax.legend()
+    return _save(fig, path)
+
+
+def matrix_outputs(results, out_dir: Path, command: str) -> list[Path]:
+    """The matrix's markdown report, its plot, and the step breakdown beside the kept
+    "before" run (where the Zipf 1.05 stream ran with its profile)."""
+    from benchmarks import breakdown, matrix
+
+    matrix.write_report(results, str(out_dir / MATRIX_FILE), f"{command} (its matrix part)")
+    plots = [plot_matrix(results, out_dir / "plots" / "matrix.png")]
+    zipf = next((r for r in results if r.stream.name == "zipf1.05" and r.breakdowns), None)
+    if zipf is not None:
+        after = breakdown.record(zipf.breakdowns, matrix.describe_stream(zipf), zipf.load, "after")
+        after["steps"] = list(zipf.breakdowns)
+        runs = [after]
+        if breakdown.BEFORE_JSON.exists():
+            runs.insert(0, breakdown.load_record(breakdown.BEFORE_JSON))
+        plots.append(breakdown.plot(runs, out_dir / "plots" / "step_breakdown.png"))
+    return plots
 
 
 def plot_gpu_bandwidth(result, path: Path) -> Path:
@@ -485,6 +563,8 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     plots = [plot_ratios(rows, out_dir / "plots" / "ratios.png")]
     if "ebc" in results:
         plots.append(plot_ebc_throughput(results["ebc"], out_dir / "plots" / "ebc_throughput.png"))
+    if "matrix" in results:
+        plots += matrix_outputs(results["matrix"], out_dir, command)
     if "soak" in results:
         from benchmarks import soak
 
