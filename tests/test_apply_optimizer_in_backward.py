@@ -43,7 +43,12 @@ from tests.test_optimizer_args import (
     start_rows,
 )
 from tests.torchrun_jobs import assert_scenarios_passed, read_result, run_job, torchrun_command
-from torchrec_kvemb import KVEmbeddingBagCollection, KVEmbeddingCollection, KVTableOptions
+from torchrec_kvemb import (
+    KVEmbeddingBagCollection,
+    KVEmbeddingCollection,
+    KVTableOptions,
+    SSDOptions,
+)
 from torchrec_kvemb.optimizer import (
     FusedOptimConfig,
     FusedParamsError,
@@ -223,6 +228,41 @@ def test_a_mark_after_training_is_refused_unless_it_changes_nothing() -> None:
     assert kv.table("t").optim.kind == OptimKind.SGD
     _apply_optimizer_in_backward(torch.optim.SGD, kv.parameters(), {"lr": 0.3})
     assert kv.table("t").size > 0  # the same optimizer: the rows stay
+
+
+def test_an_ssd_table_takes_a_mark_its_files_can_hold(tmp_path) -> None:
+    """An SSD tier's files are laid out for the optimizer state the table was built
+    with: a mark that keeps the layout (SGD at another rate) is taken, one that
+    changes it is refused naming the table and what to do."""
+    configs = [EmbeddingBagConfig(name="t", embedding_dim=DIM, num_embeddings=ROWS,
+                                  feature_names=FEATURES)]  # fmt: skip
+    options = KVTableOptions(capacity=16, ssd=SSDOptions(path=str(tmp_path)))
+    kv = KVEmbeddingBagCollection(configs, options)
+    with pytest.raises(FusedParamsError, match=r"table 't'.*SSD tier.*fused_params_of_torch"):
+        _apply_optimizer_in_backward(RowWiseAdagrad, kv.parameters(), {"lr": 0.2})
+    _apply_optimizer_in_backward(torch.optim.SGD, kv.parameters(), {"lr": 0.3})
+    train(kv, "bags")
+    assert kv.table("t").optim == FusedOptimConfig(OptimKind.SGD, 0.3)
+    assert kv.table("t").total_size > 0
+    kv.table("t").close()
+
+
+def test_a_marked_collection_compiles_as_one_graph() -> None:
+    """``torch.compile(fullgraph=True)`` after the marks: the tables take them first
+    (``apply_marked_optimizers``, or any eager use), then training compiles as before
+    and equals eager training bit for bit."""
+    optimizer_class, kwargs = MARKS["rowwise-adagrad"]
+    eager, compiled = build("bags"), build("bags")
+    for module in (eager, compiled):
+        _apply_optimizer_in_backward(optimizer_class, module.parameters(), dict(kwargs))
+    compiled.apply_marked_optimizers()
+    assert compiled.table("t").optim.kind == OptimKind.ROWWISE_ADAGRAD
+    torch._dynamo.reset()
+    step = torch.compile(compiled, fullgraph=True, backend="eager")
+    got_outputs, got_rows = trained_kv("bags", step)
+    want_outputs, want_rows = trained_kv("bags", eager)
+    assert all(torch.equal(g, w) for g, w in zip(got_outputs, want_outputs, strict=True))
+    assert torch.equal(got_rows, want_rows)
 
 
 @pytest.mark.parametrize("kind", KINDS)
