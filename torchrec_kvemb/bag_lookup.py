@@ -250,9 +250,12 @@ class KVBagLookup:
         in_place = not vbe and plan.out_offsets is not None
         blocks = []
         for g, group in enumerate(self.groups):
-            out_offset = plan.out_offsets[g] if in_place else None
-            shape = (stride, plan.widths[g]) if in_place else None
-            args = (ids, offsets, plan.table_of_bag[g], weights, mean, plan.bag_lists[g])
+            if in_place:
+                out_offset, bag_list = plan.out_offsets[g], plan.out_bags[g]
+                shape = (stride, plan.widths[g])
+            else:
+                out_offset, bag_list, shape = None, plan.bag_lists[g], None
+            args = (ids, offsets, plan.table_of_bag[g], weights, mean, bag_list)
             blocks.append(pooled_eval(group, *args, out_offset, shape))
         if not in_place:
             return plan.variable_batch_output(blocks).to(ids.device)

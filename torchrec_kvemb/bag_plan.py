@@ -41,7 +41,8 @@ class BagPlan:
     where group ``g``'s block ``[stride, widths[g]]`` (its output features in order,
     sample-major: what ``columns`` then permutes) takes each bag's row, a flat
     offset per bag (-1: not the group's), so an eval lookup writes its bags in
-    place (None: batch sizes differ per key)."""
+    place, and ``out_bags[g]`` the group's bags in the block's row order (rows of
+    the group's dim; None: batch sizes differ per key)."""
 
     table_maps: list[torch.Tensor]
     table_of_bag: list[torch.Tensor]
@@ -55,6 +56,7 @@ class BagPlan:
     rank_strides: tuple[tuple[int, ...], ...] | None = None
     expand: torch.Tensor | None = None
     out_offsets: list[torch.Tensor] | None = None
+    out_bags: list[torch.Tensor] | None = None
     widths: tuple[int, ...] = ()
 
     @property
@@ -118,16 +120,19 @@ class BagPlan:
         ]
         identity = column_list == list(range(len(column_list)))
         columns = torch.tensor(column_list, dtype=torch.int64)
-        out_offsets = None
+        out_offsets = out_bags = None
         widths = tuple(len(outputs[g]) * dims[g] for g in range(num_groups))
         if len(set(strides)) <= 1:
-            out_offsets = []
+            out_offsets, out_bags = [], []
+            stride = strides[0] if strides else 0
             for g in range(num_groups):
                 offsets = torch.full((starts[-1],), -1, dtype=torch.int64)
-                for i, key in enumerate(outputs[g]):
-                    sample = torch.arange(strides[key], dtype=torch.int64)
-                    offsets[starts[key] : starts[key + 1]] = sample * widths[g] + i * dims[g]
+                first = torch.tensor([starts[key] for key in outputs[g]], dtype=torch.int64)
+                # [stride, features]: sample s of the group's i-th feature at row s * F + i
+                rows = torch.arange(stride).unsqueeze(1) + first
+                offsets[rows.reshape(-1)] = torch.arange(rows.numel()) * dims[g]
                 out_offsets.append(offsets)
+                out_bags.append(rows.reshape(-1))
         counts = torch.tensor(list(strides), dtype=torch.int64)
         bags = starts[-1]
         key_of_bag = torch.arange(num_keys).repeat_interleave(counts, output_size=bags)
@@ -142,6 +147,7 @@ class BagPlan:
             slots=tuple(slots),
             strides=tuple(strides),
             out_offsets=out_offsets,
+            out_bags=out_bags,
             widths=widths,
         )
 
@@ -202,6 +208,7 @@ class BagPlan:
             columns=move(self.columns),
             expand=move(self.expand),
             out_offsets=None if self.out_offsets is None else [move(o) for o in self.out_offsets],
+            out_bags=None if self.out_bags is None else [move(b) for b in self.out_bags],
         )
 
     def variable_batch_output(self, outputs: list[torch.Tensor]) -> torch.Tensor:

@@ -306,7 +306,8 @@ def group_pooled_eval(
         raise RuntimeError("group_pooled_eval: the torch path is KVTableGroup.pooled_eval's own")
     return op(
         storage.keys, layout.bucket_offset, layout.num_buckets, storage.weights, ids, offsets,
-        table_of_bag, per_sample_weights, mean_of_bag, bag_list, out_offset, *out_shape, metrics,
+        table_of_bag, per_sample_weights, mean_of_bag, bag_list, out_offset, *out_shape,
+        *_init_tensors(layout), metrics,
     )  # fmt: skip
 
 

@@ -43,7 +43,6 @@ from torchrec_kvemb.contracts import (
     TableStorage,
 )
 from torchrec_kvemb.memory import table_memory
-from torchrec_kvemb.ops.pooled_lookup import place_bags
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import WAYS, KVTableOptions
 from torchrec_kvemb.ssd.scratch import ScratchPad
@@ -196,10 +195,9 @@ class KVTableGroup:
         stay."""
         if not rows:
             return
-        if self.pad is not None:
-            raise RuntimeError(
-                f"table {self.tables[0].name!r}: tables with an SSD tier do not grow"
-            )
+        if self.pad is not None:  # the last batch's scratch rows go to their tiers first
+            for table in self.tables:
+                table.settle()
         old = self.storage
         capacities = [rows.get(t, table.capacity) for t, table in enumerate(self.tables)]
         storage = grown_storage(sum(capacities), old.weights, old.state)
@@ -220,6 +218,13 @@ class KVTableGroup:
             row0 += n
         self.storage = storage
         self._place()
+        if self.pad is not None:  # a new scratch pad after the new rows
+            self.pad = ScratchPad(storage.weights, storage.state)
+            for t, table in enumerate(self.tables):
+                table.use_pad(self.pad.for_table(t, self.row_offsets[t]))
+            self.storage = storage._replace(weights=self.pad.arrays[0], state=self.pad.arrays[1])
+        elif self.per_table_only:  # a lone table's arrays, its scratch rows included
+            self.storage = self.tables[0].storage()
 
     # ----------------------------------------------------------------- shape
     @property
@@ -327,8 +332,9 @@ class KVTableGroup:
         (ids without a row pool zeros; ``table_of_bag``: the table of each bag's ids,
         -1: not the group's; a bag's ids count their per-sample weight, divided by its
         length where ``mean_of_bag``), bag ``b``'s row at flat offset ``out_offset[b]``
-        of a new ``out_shape`` tensor (which the group's bags ``bag_list`` cover), or
-        ``[B, dim]``; ``offsets`` None: every id is a bag of its own, ``[n, dim]``.
+        of a new ``out_shape`` tensor (rows of ``dim``: the group's bags ``bag_list`` in
+        this order), or ``[B, dim]``; ``offsets`` None: every id is a bag of its own,
+        ``[n, dim]``.
 
         One fused probe-and-pool call (``kvemb::pooled_eval_group``) where the group
         has one; tables with SSD tiers, a lone table's group and the torch path look
@@ -352,7 +358,7 @@ class KVTableGroup:
         pooled = self.pooled_forward(slots, ids, table_idx, bags, bag_list, True)
         if out_offset is None:
             return pooled
-        return place_bags(pooled, bag_list, out_offset, out_shape)
+        return pooled.index_select(0, bag_list).view(out_shape)
 
     def pooled_forward(
         self,

@@ -117,12 +117,14 @@ def _eval_args(group: KVTableGroup) -> tuple:
     table_of_bag = torch.tensor([0, 1, -1, 2, 0, 1, 2])
     weights = torch.rand(N, generator=torch.Generator().manual_seed(5))
     mean_of_bag = torch.tensor([True, False, False, True, False, True, False])
-    bag_list = torch.tensor([0, 1, 3, 4, 5, 6])
     out_offset = torch.tensor([5, 0, -1, 1, 4, 2, 3]) * DIM
     out_offset[2] = -1
-    return (group.storage.keys, group.layout.bucket_offset, group.layout.num_buckets,
-            group.weights, ids, offsets, table_of_bag, weights, mean_of_bag, bag_list,
-            out_offset, 6, DIM, group.metrics.clone())  # fmt: skip
+    bag_list = torch.tensor([1, 3, 5, 6, 4, 0])  # by output row
+    layout = group.layout
+    init = (layout.seed, layout.seed_mix, layout.init_normal, layout.init_a, layout.init_b)
+    return (group.storage.keys, layout.bucket_offset, layout.num_buckets, group.weights, ids,
+            offsets, table_of_bag, weights, mean_of_bag, bag_list, out_offset, 6, DIM, *init,
+            group.metrics.clone())  # fmt: skip
 
 
 def _bucketize_args() -> tuple:

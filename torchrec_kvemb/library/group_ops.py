@@ -37,7 +37,7 @@ from torchrec_kvemb.contracts import KERNEL_METRICS, Bags, GroupLayout
 from torchrec_kvemb.library.registry import define, schema
 from torchrec_kvemb.native_lib import Workspace
 from torchrec_kvemb.ops import native
-from torchrec_kvemb.ops.pooled_lookup import add_initial_rows, copy_initial_rows, place_bags
+from torchrec_kvemb.ops.pooled_lookup import add_initial_rows, copy_initial_rows
 from torchrec_kvemb.optimizer import FusedOptimConfig, OptimKind, WeightDecay
 
 Tensor = torch.Tensor
@@ -221,10 +221,12 @@ class EvalArgs(NamedTuple):
     bucket range) and rows, the batch (``ids``, bags cut by ``offsets``, None: every id
     a bag of its own; ``table_of_bag``: the table of each bag's ids, -1: not the
     group's; per-sample weights; ``mean_of_bag``: bags pooled by MEAN; ``bag_list``:
-    the group's bags, unread without ``offsets``), where each bag's row goes
-    (``out_offset [B]``: its flat offset in the output ``[out_rows, out_width]``, -1:
-    none; None: ``[B, dim]``), and the ``[T, 6]`` metrics, to which hits and misses
-    add."""
+    the group's bags, in the output's row order where ``out_offset`` is given; unread
+    without ``offsets``), where each bag's row goes (``out_offset [B]``: its flat
+    offset in the output ``[out_rows, out_width]``, viewed as rows of ``dim`` the
+    ``bag_list`` in order; -1: none; None: ``[B, dim]``), the layout's initial-row
+    settings (which the Triton forward takes; missing ids pool zeros here), and the
+    ``[T, 6]`` metrics, to which hits and misses add."""
 
     keys: Tensor
     bucket_offset: Tensor
@@ -239,6 +241,11 @@ class EvalArgs(NamedTuple):
     out_offset: Tensor | None
     out_rows: int
     out_width: int
+    seed: Tensor
+    seed_mix: Tensor
+    init_normal: Tensor
+    init_a: Tensor
+    init_b: Tensor
     metrics: Tensor
 
     def out_shape(self) -> tuple[int, int]:
@@ -281,15 +288,14 @@ def _pooled_eval_cuda(*args: object) -> Tensor:
         bags = Bags.build(a.offsets, n, a.per_sample_weights, mean)
     table_idx = a.table_of_bag.index_select(0, bags.bag_of)
     slots = _lookup_eval_cuda(a.keys, a.bucket_offset, a.num_buckets, a.ids, table_idx, a.metrics)
-    zeros = torch.zeros_like(a.bucket_offset)
-    init = InitArgs(zeros, zeros, zeros, zeros.double(), zeros.double())
+    init = InitArgs(a.seed, a.seed_mix, a.init_normal, a.init_a, a.init_b)
     bag_list = bags.bag_of if a.offsets is None else a.bag_list  # rows: every id's
     pooled = group_pooled_forward_triton(
         init.layout(), a.weights, slots, a.ids, table_idx, bags, bag_list, True
     )
     if a.out_offset is None:
         return pooled
-    return place_bags(pooled, a.bag_list, a.out_offset, a.out_shape())
+    return pooled.index_select(0, a.bag_list).view(a.out_shape())
 
 
 def _pooled_eval_fake(*args: object) -> Tensor:

@@ -122,20 +122,6 @@ def copy_initial_rows(
             rows.index_copy_(0, mine, fresh)
 
 
-def place_bags(
-    pooled: torch.Tensor, bag_list: torch.Tensor, out_offset: torch.Tensor, shape: tuple[int, int]
-) -> torch.Tensor:
-    """The rows ``pooled [B, dim]`` of the bags ``bag_list`` at their flat offsets
-    ``out_offset`` in a new float32 tensor of ``shape`` (which those bags cover): what
-    the fused eval lookup writes in place (``kvemb::pooled_eval_group``)."""
-    dim = pooled.shape[1]
-    out = pooled.new_empty(shape)
-    where = out_offset.index_select(0, bag_list).unsqueeze(1)
-    where = where + torch.arange(dim, device=pooled.device)
-    out.view(-1).index_copy_(0, where.reshape(-1), pooled.index_select(0, bag_list).reshape(-1))
-    return out
-
-
 def group_pooled_backward_torch(
     grad_out: torch.Tensor, slots: torch.Tensor, bags: Bags
 ) -> tuple[torch.Tensor, torch.Tensor]:
