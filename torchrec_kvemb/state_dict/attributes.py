@@ -52,14 +52,14 @@ class MarkedOptimizerKwargs(list):
     """The ``_optimizer_kwargs`` list of a placeholder that takes
     ``apply_optimizer_in_backward``: torch appends an optimizer's kwargs to it last,
     after its instance (``_in_backward_optimizers``) and class (``_optimizer_classes``);
-    the append then calls ``on_mark(table)``, which reads the mark and raises what the
-    table cannot run. A mark ``on_mark`` refuses is taken back from all three lists
+    the append then calls ``on_mark(table)`` (a bound method, held weakly), which reads
+    the mark and raises what the table cannot run. A mark ``on_mark`` refuses is taken back from all three lists
     before the error leaves (torch registers its hook after the append, so none is
     left). Pickled or copied it is a plain list.
 
     Example::
 
-        weight._optimizer_kwargs = MarkedOptimizerKwargs(weight, "user", collection.marked)
+        weight._optimizer_kwargs = MarkedOptimizerKwargs(weight, "user", ebc.optimizer_marked)
     """
 
     def __init__(self, weight: torch.Tensor, table: str, on_mark: Callable[[str], None]) -> None:
