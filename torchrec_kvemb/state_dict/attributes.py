@@ -53,9 +53,9 @@ class MarkedOptimizerKwargs(list):
     ``apply_optimizer_in_backward``: torch appends an optimizer's kwargs to it last,
     after its instance (``_in_backward_optimizers``) and class (``_optimizer_classes``);
     the append then calls ``on_mark(table)`` (a bound method, held weakly), which reads
-    the mark and raises what the table cannot run. A mark ``on_mark`` refuses is taken back from all three lists
-    before the error leaves (torch registers its hook after the append, so none is
-    left). Pickled or copied it is a plain list.
+    the mark and raises what the table cannot run. A mark ``on_mark`` refuses is taken
+    back from all three lists before the error leaves (torch registers its hook after
+    the append, so none is left). Pickled or copied it is a plain list.
 
     Example::
 
