@@ -70,10 +70,12 @@ class KVTablesMixin:
         return {name: t.metrics() for name, t in self._tables.items()}
 
     # ------------------------------------------------ apply_optimizer_in_backward
-    def table_weight(self, name: str) -> nn.Parameter:
+    def table_weight(self, name: str) -> nn.Parameter | None:
         """The placeholder weight of table ``name`` (``[0, dim]``): the parameter
-        ``apply_optimizer_in_backward`` marks."""
-        return getattr(self, self._entries_attribute)[name].weight
+        ``apply_optimizer_in_backward`` marks (None for a table named as an
+        ``nn.ModuleDict`` attribute, ``items``, ``keys``..., which has none)."""
+        entries = getattr(self, self._entries_attribute)._modules.get(name)
+        return None if entries is None else entries.weight
 
     def marked_optims(self) -> dict[str, FusedOptimConfig]:
         """Each table's optimizer: the collection's ``fused_params`` with what
