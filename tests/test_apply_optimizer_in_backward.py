@@ -230,6 +230,33 @@ def test_a_mark_after_training_is_refused_unless_it_changes_nothing() -> None:
     assert kv.table("t").size > 0  # the same optimizer: the rows stay
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_marked_collection_loads_a_checkpoint_of_its_twin(kind: str) -> None:
+    """Marked before the load (the tables take the mark first, then the rows and
+    Adam's moments): it goes on training as the ``fused_params`` twin it loaded."""
+    optimizer_class, kwargs = MARKS["torch-adam"]
+    given = build(kind, fused_params_of_torch_optimizer(optimizer_class, kwargs))
+    trained_kv(kind, given)
+    marked = build(kind)
+    _apply_optimizer_in_backward(optimizer_class, marked.parameters(), dict(kwargs))
+    marked.load_state_dict(given.state_dict())
+    train(marked, kind)
+    train(given, kind)
+    got, want = marked.table("t").export(), given.table("t").export()
+    assert set(got) == set(want) and "exp_avg" in got
+    assert all(torch.equal(got[key], want[key]) for key in want)
+
+
+def test_a_collection_on_meta_takes_the_mark() -> None:
+    """``DistributedModelParallel`` flows build the model on meta and mark it there."""
+    with torch.device("meta"):
+        kv = build("bags", tables=2)
+    _apply_optimizer_in_backward(torch.optim.Adam, kv.parameters(), {"lr": 0.05})
+    tables = kv.kv_tables()
+    assert {t.optim.kind for t in tables.values()} == {OptimKind.ADAM}
+    assert {t.device.type for t in tables.values()} == {"meta"}
+
+
 def test_an_ssd_table_takes_a_mark_its_files_can_hold(tmp_path) -> None:
     """An SSD tier's files are laid out for the optimizer state the table was built
     with: a mark that keeps the layout (SGD at another rate) is taken, one that
