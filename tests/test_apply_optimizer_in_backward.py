@@ -13,7 +13,10 @@ that optimizer, translated as TorchRec's sharders translate it
   Adam, FBGEMM's Adam update written out (``tests/test_optimizer_args.py``);
 * a refused class names the table, at the mark, and leaves the weight unmarked;
 * the collection's ``fused_params`` merge under the mark (TorchRec's rule);
-* a mark that would change a trained table's optimizer is refused;
+* a mark that would change a trained table's optimizer is refused, and so is one
+  an SSD tier's files cannot hold;
+* the tables take every mark in one build, on meta too, before a load (which then
+  trains on as its twin) and before ``torch.compile(fullgraph=True)``;
 * the placeholder stays out of dense optimizers and adds nothing to ``state_dict``;
 * under ``DistributedModelParallel`` on two ranks, a KV collection marked before
   sharding trains as the stock sharded twin (``tests/sharding/marked_optimizer_worker.py``).
