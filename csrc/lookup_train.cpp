@@ -1,16 +1,19 @@
 // Training lookup of a group of KV tables: KVTable.lookup_train for T
 // memory-only tables at once, on raw ids with duplicates.
 //
-// Phases, each parallel over parts of buckets (bucket_order.h), so results
-// do not depend on the number of threads:
-//  1. collect: occurrences ordered by bucket; per bucket, a stored id's way
-//     is its de-duplication key, new ids are de-duplicated by sorting. Tables
-//     without admission settle the bucket at once (insert rule, new rows).
+// Phases, results independent of the number of threads:
+//  0. de-duplicate: the occurrences' (bucket, id) keys by a scratch hash
+//     table (dedup.h), each thread owning a range of buckets; then the
+//     uniques ordered by bucket in parts of buckets (bucket_order.h). The
+//     later phases run part by part.
+//  1. collect: per bucket, the uniques in output order (the stored ids by
+//     way, then the new ids by id). Tables without admission settle the
+//     bucket at once (insert rule, new rows).
 //  2. admit: ids of admission tables not stored are counted in the counter
 //     index, bucket by counter bucket (KVTable._admit).
 //  3. settle the buckets of admission tables: stored and admitted ids compete.
-//  4. gather: uniques and evictions of each part into the outputs; every
-//     occurrence gets its slot and unique index.
+//  4. gather: uniques and evictions of each part into the outputs; then
+//     every occurrence gets its slot and unique index through its key's.
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -20,6 +23,7 @@
 
 #include "bucket.h"
 #include "bucket_order.h"
+#include "dedup.h"
 #include "hashing.h"
 #include "kvemb_native.h"
 #include "parallel.h"
@@ -88,12 +92,27 @@ struct TableInfo {
 
 // One worker's scratch, reused bucket after bucket.
 struct Worker {
-  std::vector<std::pair<int64_t, int64_t>> misses;  // (id, position in the order)
+  std::vector<std::pair<int64_t, int64_t>> misses;  // (id, key index)
   std::vector<NewId> new_ids;
   std::vector<int> way_of;  // counter phase: per waiting id, see count_bucket
+  std::vector<float> row;   // a new row before it is streamed out
   Placement placement;
   std::vector<int64_t> metrics;  // [T, KV_NUM_METRICS]
 };
+
+#if defined(__SSE2__)
+constexpr bool kStreamRows = true;
+// dst (16-byte aligned) = src, n a multiple of 4, by non-temporal stores.
+inline void stream_row(float* dst, const float* src, int64_t n) {
+  for (int64_t j = 0; j < n; j += 4) _mm_stream_ps(dst + j, _mm_loadu_ps(src + j));
+}
+// Orders the non-temporal stores before whatever the caller does next.
+inline void stream_fence() { _mm_sfence(); }
+#else
+constexpr bool kStreamRows = false;
+inline void stream_row(float*, const float*, int64_t) {}
+inline void stream_fence() {}
+#endif
 
 // Wrapping add, as torch's int64 index_add_ (LFU counts never get there).
 inline int64_t wrap_add(int64_t a, int64_t b) {
@@ -106,7 +125,8 @@ void ensure(bool ok) {
 
 class TrainLookup {
  public:
-  TrainLookup(const KvTrainArgs& args, Arena& arena) : a_(args), arena_(arena) {}
+  TrainLookup(const KvTrainArgs& args, Arena& arena, DedupSlots& dedup)
+      : a_(args), arena_(arena), dedup_slots_(dedup) {}
 
   int run() {
     std::fill(a_.metrics, a_.metrics + a_.num_tables * KV_NUM_METRICS, 0);
@@ -114,7 +134,8 @@ class TrainLookup {
     try {
       if (const int status = read_tables(); status != KV_OK) return status;
       if (const int status = hash_occurrences(); status != KV_OK) return status;
-      order_by_bucket(bucket_, a_.ids, a_.n, a_.num_buckets_total, threads_, arena_, &occ_);
+      deduplicate();
+      order_by_bucket(k_bucket_, k_id_, key_slots_, a_.num_buckets_total, threads_, arena_, &occ_);
       allocate();
       const int64_t parts = occ_.parts;
       ensure(parallel_for(parts, threads_, [&](int64_t p, int64_t w) { collect_part(p, w); }));
@@ -123,6 +144,7 @@ class TrainLookup {
         ensure(parallel_for(parts, threads_, [&](int64_t p, int64_t w) { settle_admission(p, w); }));
       }
       gather();
+      map_occurrences();
     } catch (const std::bad_alloc&) {
       return KV_OUT_OF_MEMORY;
     }
@@ -205,6 +227,7 @@ class TrainLookup {
     bucket_ = arena_.take<int64_t>(n);
     constexpr int64_t kPerTask = 1 << 14;
     std::vector<int> status(static_cast<size_t>(threads_), KV_OK);
+    std::vector<int64_t> counts(static_cast<size_t>(threads_ * T), 0);
     ensure(parallel_for((n + kPerTask - 1) / kPerTask, threads_, [&](int64_t task, int64_t w) {
       for (int64_t i = task * kPerTask, end = std::min(n, i + kPerTask); i < end; ++i) {
         const int64_t t = a_.table_idx[i], id = a_.ids[i];
@@ -218,15 +241,176 @@ class TrainLookup {
           status[w] = std::max<int>(status[w], KV_NEGATIVE_ID);
         } else {
           bucket_[i] = tables_[t].bucket_offset + index_bucket(id, tables_[t].mod);
+          ++counts[w * T + t];
         }
       }
     }));
+    table_count_.assign(static_cast<size_t>(T), 0);
+    for (int64_t w = 0; w < threads_; ++w) {
+      for (int64_t t = 0; t < T; ++t) table_count_[t] += counts[w * T + t];
+    }
     return *std::max_element(status.begin(), status.end());
+  }
+
+  // ------------------------------------------------------ 0. de-duplicate
+  // The keys (bucket, id) of the occurrences: key k of range r at
+  // [key_base[r], + keys found) with its id, bucket, count and custom max;
+  // key_of_[i] the key of occurrence i. Range r is the buckets
+  // [range_lo[r], range_lo[r + 1]), de-duplicated by one thread in a scratch
+  // table of its own. A key's index depends on the ranges, hence on the
+  // thread count; no output does (collect orders each bucket's keys itself).
+  void deduplicate() {
+    const int64_t n = a_.n;
+    const int64_t ranges = worker_count(n / kMinRange + 1, threads_);
+    const std::vector<int64_t> lo = range_bounds(ranges);
+    auto range_of = [&](int64_t b) {
+      int64_t r = 0;
+      while (r + 1 < ranges && b >= lo[r + 1]) ++r;
+      return r;
+    };
+    // Occurrences per range and the span of their indices, per slice.
+    const int64_t slices = ranges;
+    std::vector<int64_t> count(static_cast<size_t>(slices * ranges), 0);
+    std::vector<int64_t> first(static_cast<size_t>(slices * ranges), n);
+    std::vector<int64_t> last(static_cast<size_t>(slices * ranges), -1);
+    ensure(parallel_for(slices, threads_, [&](int64_t s, int64_t) {
+      int64_t* c = count.data() + s * ranges;
+      int64_t* f = first.data() + s * ranges;
+      int64_t* l = last.data() + s * ranges;
+      for (int64_t i = slice_begin(n, slices, s), e = slice_begin(n, slices, s + 1); i < e; ++i) {
+        if (bucket_[i] < 0) continue;
+        const int64_t r = range_of(bucket_[i]);
+        ++c[r];
+        f[r] = std::min(f[r], i);
+        l[r] = i;
+      }
+    }));
+    std::vector<int64_t> key_base(static_cast<size_t>(ranges) + 1, 0);
+    std::vector<int64_t> entry_base(static_cast<size_t>(ranges) + 1, 0);
+    std::vector<int> bits(static_cast<size_t>(ranges));
+    std::vector<int64_t> span_begin(static_cast<size_t>(ranges), n);
+    std::vector<int64_t> span_end(static_cast<size_t>(ranges), 0);
+    for (int64_t r = 0; r < ranges; ++r) {
+      int64_t occurrences = 0;
+      for (int64_t s = 0; s < slices; ++s) {
+        occurrences += count[s * ranges + r];
+        span_begin[r] = std::min(span_begin[r], first[s * ranges + r]);
+        span_end[r] = std::max(span_end[r], last[s * ranges + r] + 1);
+      }
+      key_base[r + 1] = key_base[r] + occurrences;
+      // At least 1.5 entries a key (probes stay short) in the fewest bytes
+      // (why: 2 entries a key cost more in cache misses than the probes saved).
+      int b = 4;
+      while ((int64_t{1} << b) < occurrences + occurrences / 2) ++b;
+      bits[r] = b;
+      entry_base[r + 1] = entry_base[r] + (int64_t{1} << b);
+    }
+    key_slots_ = key_base[ranges];
+    uint64_t tag = 0;
+    DedupEntry* entries = dedup_slots_.take(entry_base[ranges], &tag);
+    key_of_ = arena_.take<int64_t>(n);
+    k_id_ = arena_.take<int64_t>(n);
+    k_bucket_ = arena_.take<int64_t>(n);
+    k_count_ = arena_.take<int64_t>(n);
+    k_top_ = arena_.take<int64_t>(n);
+    ensure(parallel_for(ranges, threads_, [&](int64_t r, int64_t) {
+      const int64_t found = dedup_range(lo[r], lo[r + 1], span_begin[r], span_end[r],
+                                        entries + entry_base[r], bits[r], tag, key_base[r]);
+      std::fill(k_bucket_ + key_base[r] + found, k_bucket_ + key_base[r + 1], int64_t{-1});
+    }));
+  }
+
+  // Bucket bounds of ``ranges`` ranges holding about as many occurrences each
+  // (a table's occurrences are spread evenly over its buckets by the hash).
+  std::vector<int64_t> range_bounds(int64_t ranges) const {
+    std::vector<int64_t> lo(static_cast<size_t>(ranges) + 1, 0);
+    lo[ranges] = a_.num_buckets_total;
+    if (ranges == 1) return lo;
+    std::vector<int64_t> order(tables_.size());
+    for (size_t t = 0; t < order.size(); ++t) order[t] = static_cast<int64_t>(t);
+    std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+      return tables_[x].bucket_offset < tables_[y].bucket_offset;
+    });
+    int64_t total = 0;
+    for (const int64_t c : table_count_) total += c;
+    int64_t before = 0;
+    size_t at = 0;
+    for (int64_t r = 1; r < ranges; ++r) {
+      const int64_t target = static_cast<int64_t>(static_cast<__int128>(total) * r / ranges);
+      while (at < order.size() && before + table_count_[order[at]] <= target) {
+        before += table_count_[order[at++]];
+      }
+      if (at == order.size()) {
+        lo[r] = a_.num_buckets_total;
+        continue;
+      }
+      // A table boundary within half a range's share of the target: there
+      // (why: a table cut in two is read by both threads, each skipping
+      // the other's half; tables are usually contiguous in the batch).
+      const int64_t t = order[at], share = total / ranges;
+      const int64_t after = before + table_count_[t];
+      if (target - before <= share / 2 && tables_[t].bucket_offset > lo[r - 1]) {
+        lo[r] = tables_[t].bucket_offset;
+      } else if (after - target <= share / 2 && at + 1 < order.size()) {
+        lo[r] = tables_[order[at + 1]].bucket_offset;
+      } else {
+        const int64_t into = static_cast<int64_t>(static_cast<__int128>(target - before) *
+                                                  a_.num_buckets[t] / table_count_[t]);
+        lo[r] = tables_[t].bucket_offset + into;
+      }
+      lo[r] = std::max(lo[r], lo[r - 1]);
+    }
+    return lo;
+  }
+
+  // De-duplicates the occurrences with a bucket in [b_lo, b_hi) into the keys
+  // from ``base`` on; returns how many keys it found.
+  int64_t dedup_range(int64_t b_lo, int64_t b_hi, int64_t i_begin, int64_t i_end,
+                      DedupEntry* entries, int bits, uint64_t tag, int64_t base) {
+    const int64_t n = i_end;
+    const int64_t* ids = a_.ids;
+    const int64_t* custom = a_.custom_scores;
+    const uint64_t mask = (uint64_t{1} << bits) - 1;
+    // why 16 ahead: the entries (2**19 of 16 bytes for 327k ids) miss L2.
+    constexpr int64_t kAhead = 16;
+    int64_t found = 0;
+    for (int64_t i = i_begin; i < n; ++i) {
+      if (i + kAhead < n) {
+        const int64_t b = bucket_[i + kAhead];
+        if (b >= b_lo && b < b_hi) __builtin_prefetch(entries + dedup_home(ids[i + kAhead], b, bits));
+      }
+      const int64_t b = bucket_[i];
+      if (b < b_lo || b >= b_hi) continue;
+      const int64_t id = ids[i];
+      int64_t k;
+      for (uint64_t h = dedup_home(id, b, bits);; h = (h + 1) & mask) {
+        DedupEntry& e = entries[h];
+        if ((e.tag_uid & ~kUidMask) != tag) {  // not this call's: a new key
+          e.id = id;
+          e.tag_uid = tag | static_cast<uint64_t>(found);
+          k = base + found++;
+          k_id_[k] = id;
+          k_bucket_[k] = b;
+          k_count_[k] = 1;
+          if (custom) k_top_[k] = custom[i];
+          break;
+        }
+        if (e.id == id) {
+          k = base + static_cast<int64_t>(e.tag_uid & kUidMask);
+          if (k_bucket_[k] != b) continue;  // the same id in another table
+          ++k_count_[k];
+          if (custom) k_top_[k] = std::max(k_top_[k], custom[i]);
+          break;
+        }
+      }
+      key_of_[i] = k;
+    }
+    return found;
   }
 
   void allocate() {
     const int64_t total = occ_.size(), parts = occ_.parts;
-    tag_ = arena_.take<int64_t>(total);
+    u_key_ = arena_.take<int64_t>(total);
     u_id_ = arena_.take<int64_t>(total);
     u_bucket_ = arena_.take<int64_t>(total);
     u_table_ = arena_.take<int64_t>(total);
@@ -251,7 +435,7 @@ class TrainLookup {
       collect_bucket(p, bucket, k0, k1, w);
     });
     n_evicted_collect_[p] = n_evicted_[p];
-    if (!any_admission_) write_new_rows(occ_.part_start[p], occ_.part_start[p] + n_unique_[p]);
+    if (!any_admission_) write_new_rows(occ_.part_start[p], occ_.part_start[p] + n_unique_[p], w);
   }
 
   void add_unique(int64_t pos, int64_t id, int64_t bucket, int64_t t, int64_t count, int64_t top,
@@ -280,71 +464,55 @@ class TrainLookup {
     u_flags_[pos] = kPromoted | kAdmitted;
   }
 
-  // Occurrences at positions [k0, k1) of the order, all in ``bucket``.
-  // Uniques: the stored ids in way order, then the new ids by id.
+  // The keys at positions [k0, k1) of the order, all in ``bucket``, in
+  // output order: the stored ids by way, then the new ids by id.
   void collect_bucket(int64_t p, int64_t bucket, int64_t k0, int64_t k1, Worker& w) {
     const Item* items = occ_.items;
     const int64_t t = owner_(bucket);
-    const TableInfo& tab = tables_[t];
     const int64_t* keys = a_.keys + bucket * kWays;
-    int64_t count[kWays], top[kWays];
+    int64_t key_of_way[kWays];
     uint32_t seen = 0;
     w.misses.clear();
     for (int64_t k = k0; k < k1; ++k) {
-      const int64_t id = items[k].key;
-      const uint32_t found = match(keys, id);
+      const uint32_t found = match(keys, items[k].key);
       if (!found) {
-        tag_[k] = -1;
-        w.misses.emplace_back(id, k);
+        w.misses.emplace_back(items[k].key, items[k].index);
         continue;
       }
       const int way = lowest_way(found);
-      if (!(seen >> way & 1u)) {
-        seen |= 1u << way;
-        count[way] = 0;
-        top[way] = std::numeric_limits<int64_t>::min();
-      }
-      ++count[way];
-      if (tab.custom) top[way] = std::max(top[way], a_.custom_scores[items[k].index]);
-      tag_[k] = way;
+      seen |= 1u << way;
+      key_of_way[way] = items[k].index;
     }
 
     const int64_t base = occ_.part_start[p];
     int64_t& n_unique = n_unique_[p];
     const int64_t first_unique = n_unique;
-    int64_t local_of_way[kWays];
     for (uint32_t m = seen; m; m &= m - 1) {
       const int way = lowest_way(m);
-      local_of_way[way] = n_unique;
-      add_unique(base + n_unique++, keys[way], bucket, t, count[way], top[way], way);
+      const int64_t key = key_of_way[way];
+      u_key_[base + n_unique] = key;
+      add_unique(base + n_unique++, keys[way], bucket, t, k_count_[key], top_of(key), way);
     }
-    if (seen) {
-      for (int64_t k = k0; k < k1; ++k) {
-        if (tag_[k] >= 0) tag_[k] = local_of_way[tag_[k]];
-      }
+    auto& misses = w.misses;
+    // By id (ids are distinct here): insertion sort, most buckets see one or two.
+    for (size_t i = 1; i < misses.size(); ++i) {
+      const auto x = misses[i];
+      size_t j = i;
+      for (; j > 0 && x.first < misses[j - 1].first; --j) misses[j] = misses[j - 1];
+      misses[j] = x;
     }
+    for (const auto& [id, key] : misses) {
+      u_key_[base + n_unique] = key;
+      add_unique(base + n_unique, id, bucket, t, k_count_[key], top_of(key), -1);
+      if (a_.num_promote) mark_promoted(base + n_unique);
+      ++n_unique;
+    }
+    if (!tables_[t].admission) settle_bucket(p, bucket, base + first_unique, base + n_unique, w);
+  }
 
-    if (!w.misses.empty()) {
-      auto& misses = w.misses;
-      std::sort(misses.begin(), misses.end());
-      for (size_t g = 0; g < misses.size();) {
-        size_t g1 = g + 1;
-        while (g1 < misses.size() && misses[g1].first == misses[g].first) ++g1;
-        int64_t top_score = std::numeric_limits<int64_t>::min();
-        for (size_t j = g; j < g1; ++j) {
-          if (tab.custom) {
-            top_score = std::max(top_score, a_.custom_scores[items[misses[j].second].index]);
-          }
-          tag_[misses[j].second] = n_unique;
-        }
-        add_unique(base + n_unique, misses[g].first, bucket, t, static_cast<int64_t>(g1 - g),
-                   top_score, -1);
-        if (a_.num_promote) mark_promoted(base + n_unique);
-        ++n_unique;
-        g = g1;
-      }
-    }
-    if (!tab.admission) settle_bucket(p, bucket, base + first_unique, base + n_unique, w);
+  // The max custom score of a key's occurrences (read only with custom scores).
+  int64_t top_of(int64_t key) const {
+    return a_.custom_scores ? k_top_[key] : std::numeric_limits<int64_t>::min();
   }
 
   // ------------------------------------------------------------- 2. admit
@@ -440,7 +608,7 @@ class TrainLookup {
       if (tables_[u_table_[pos]].admission) settle_bucket(p, u_bucket_[pos], pos, e, w);
       pos = e;
     }
-    write_new_rows(base, end);  // every table's: the collect phase left them
+    write_new_rows(base, end, w);  // every table's: the collect phase left them
   }
 
   // The main insert for the uniques [u0, u1) of one bucket: hits are scored,
@@ -508,26 +676,42 @@ class TrainLookup {
   // them) and zero state. A pass of its own, after the part's
   // buckets are settled (why: written right at insert time, each row's
   // cache misses stalled the insert; here rows are prefetched a few ahead).
-  void write_new_rows(int64_t u0, int64_t u1) {
+  void write_new_rows(int64_t u0, int64_t u1, Worker& w) {
     const int64_t dim = a_.dim, state_dim = a_.state_dim;
     if (!a_.weights && !a_.state) return;  // the caller writes every row
+    // Rows of whole 16-byte blocks are computed in a scratch row and stored
+    // around the cache (why: each row's lines were read for ownership only to
+    // be overwritten; the reads were most of the lookup's time on new ids).
+    const bool stream = kStreamRows && a_.weights && dim % 4 == 0 &&
+                        reinterpret_cast<uintptr_t>(a_.weights) % 16 == 0;
+    if (stream) w.row.resize(static_cast<size_t>(dim));
     constexpr int64_t kAhead = 4;
     for (int64_t u = u0; u < u1; ++u) {
-      if (a_.weights && u + kAhead < u1 && (u_flags_[u + kAhead] & kInserted)) {
+      if (u + kAhead < u1 && (u_flags_[u + kAhead] & kInserted)) {
         const int64_t ahead = u_slot_[u + kAhead];
-        for (int64_t b = 0; b < dim * 4; b += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(a_.weights + ahead * dim) + b, 1);
+        if (a_.weights && !stream) {
+          for (int64_t b = 0; b < dim * 4; b += 64) {
+            __builtin_prefetch(reinterpret_cast<const char*>(a_.weights + ahead * dim) + b, 1);
+          }
         }
         if (state_dim && a_.state) __builtin_prefetch(a_.state + ahead * state_dim, 1);
       }
       if (!(u_flags_[u] & kInserted)) continue;
       const int64_t slot = u_slot_[u];
       const TableInfo& tab = tables_[u_table_[u]];
-      if (tab.init_native && a_.weights) tab.init.fill(a_.weights + slot * dim, dim, u_id_[u]);
+      if (tab.init_native && a_.weights) {
+        if (stream) {
+          tab.init.fill(w.row.data(), dim, u_id_[u]);
+          stream_row(a_.weights + slot * dim, w.row.data(), dim);
+        } else {
+          tab.init.fill(a_.weights + slot * dim, dim, u_id_[u]);
+        }
+      }
       if (state_dim && a_.state) {
         std::memset(a_.state + slot * state_dim, 0, sizeof(float) * state_dim);
       }
     }
+    if (stream) stream_fence();
   }
 
   // ------------------------------------------------------------ 4. gather
@@ -539,9 +723,11 @@ class TrainLookup {
       unique_base[p + 1] = unique_base[p] + n_unique_[p];
       evicted_base[p + 1] = evicted_base[p] + n_evicted_[p];
     }
+    out_of_key_ = arena_.take<int64_t>(a_.n);
     ensure(parallel_for(parts, threads_, [&](int64_t p, int64_t) {
       const int64_t base = occ_.part_start[p];
       for (int64_t j = 0, out = unique_base[p]; j < n_unique_[p]; ++j, ++out) {
+        out_of_key_[u_key_[base + j]] = out;
         a_.unique_ids[out] = u_id_[base + j];
         a_.unique_slots[out] = u_slot_[base + j];
         a_.unique_table[out] = u_table_[base + j];
@@ -559,11 +745,6 @@ class TrainLookup {
         a_.evicted_slots[out] = e_slot_[from];
         if (a_.evicted_scores) a_.evicted_scores[out] = e_score_[from];
       }
-      for (int64_t k = base; k < occ_.part_start[p + 1]; ++k) {
-        const int64_t i_occ = occ_.items[k].index, local = tag_[k];
-        a_.slots[i_occ] = u_slot_[base + local];
-        a_.unique_index[i_occ] = unique_base[p] + local;
-      }
     }));
     for (const Worker& w : workers_) {
       for (size_t m = 0; m < w.metrics.size(); ++m) a_.metrics[m] += w.metrics[m];
@@ -572,20 +753,46 @@ class TrainLookup {
     a_.sizes[1] = evicted_base[parts];
   }
 
+  // Every occurrence's slot and unique index: its key's.
+  void map_occurrences() {
+    const int64_t n = a_.n;
+    const int64_t slices = worker_count(n / kMinRange + 1, threads_);
+    ensure(parallel_for(slices, threads_, [&](int64_t s, int64_t) {
+      for (int64_t i = slice_begin(n, slices, s), e = slice_begin(n, slices, s + 1); i < e; ++i) {
+        if (bucket_[i] < 0) continue;
+        const int64_t u = out_of_key_[key_of_[i]];
+        a_.unique_index[i] = u;
+        a_.slots[i] = a_.unique_slots[u];
+      }
+    }));
+  }
+
+  // Occurrences a thread de-duplicates or maps at least (why: a thread start
+  // costs ~20 us, more than a few thousand occurrences).
+  static constexpr int64_t kMinRange = 16384;
+
   const KvTrainArgs& a_;
   Arena& arena_;  // every array below is taken from it
+  DedupSlots& dedup_slots_;
   std::vector<TableInfo> tables_;
   std::vector<int64_t> promote_begin_;  // [T + 1] where each table's promotions start
   BucketOwner owner_, counter_owner_;
   bool any_admission_ = false;
   int64_t threads_ = 1;
+  std::vector<int64_t> table_count_;  // [T] occurrences of each table
   int64_t* bucket_ = nullptr;  // [n] global bucket of each occurrence, -1: another group's
-  BucketOrder occ_;            // occurrences by bucket
-  int64_t* tag_ = nullptr;     // per position of occ_.items: the part-local unique index
+  int64_t* key_of_ = nullptr;  // [n] the key of each occurrence (bucket_ >= 0)
+  // Keys (de-duplicated occurrences) at [0, key_slots_), as many as the
+  // group's occurrences: bucket -1 where unused.
+  int64_t key_slots_ = 0;
+  int64_t *k_id_ = nullptr, *k_bucket_ = nullptr, *k_count_ = nullptr, *k_top_ = nullptr;
+  int64_t* out_of_key_ = nullptr;  // [n] a key's index in the outputs
+  BucketOrder occ_;                // keys by bucket (Item::index: the key)
   // Uniques of part p at [occ_.part_start[p], + n_unique_[p]).
   int64_t *u_id_ = nullptr, *u_bucket_ = nullptr, *u_table_ = nullptr;
   int64_t *u_count_ = nullptr, *u_value_ = nullptr, *u_slot_ = nullptr;
   int64_t* u_final_ = nullptr;  // the score the unique's slot ends with (or would)
+  int64_t* u_key_ = nullptr;    // the unique's key
   int8_t* u_way_ = nullptr;  // the stored way before the call, -1: new
   uint8_t* u_flags_ = nullptr;
   std::vector<int64_t> n_unique_;
@@ -605,8 +812,9 @@ extern "C" int kv_lookup_train_group(const KvTrainArgs* args) {
   }
   try {
     kvemb::ArenaLease lease(args->workspace ? &args->workspace->arena : nullptr,
-                            args->workspace ? &args->workspace->busy : nullptr);
-    return kvemb::TrainLookup(*args, lease.arena()).run();
+                            args->workspace ? &args->workspace->busy : nullptr,
+                            args->workspace ? &args->workspace->dedup : nullptr);
+    return kvemb::TrainLookup(*args, lease.arena(), lease.dedup()).run();
   } catch (const std::bad_alloc&) {
     return KV_OUT_OF_MEMORY;
   }
