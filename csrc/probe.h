@@ -47,38 +47,57 @@ struct GroupIndex {
   }
 };
 
-// Global slots [m] of ids [m] whose tables are table[m] (-1: not the group's
-// id, slot -1); hits[t] += the found ids of table t. A bad table or a negative
-// id gets slot -1 and raises *status to its KvStatus (the largest code wins).
+// The probe of ids [m] whose tables are table[m] (-1: not the group's id,
+// slot -1) as a pipeline: start(j) hashes id j and prefetches its bucket,
+// finish(j) (at most kProbeRing - 1 ids after start(j), in order) compares it
+// and gives its slot, counting a hit in hits[t]. A bad table or a negative id
+// gets slot -1 and raises *status to its KvStatus (the largest code wins).
+class ProbePipeline {
+ public:
+  ProbePipeline(const GroupIndex& index, const int64_t* ids, const int64_t* table, int64_t* hits,
+                int* status)
+      : index_(index), ids_(ids), table_(table), hits_(hits), status_(status) {}
+
+  void start(int64_t j) {
+    const int64_t t = table_[j], id = ids_[j];
+    int64_t b = -1;
+    if (t >= 0 && t < index_.num_tables && id >= 0) {
+      b = index_.bucket_offset[t] + index_bucket(id, index_.mods[t]);
+      prefetch_bucket(index_.keys + b * kWays);
+    } else if (t != -1) {
+      const bool bad_table = t < -1 || t >= index_.num_tables;
+      *status_ = std::max<int>(*status_, bad_table ? KV_BAD_TABLE : KV_NEGATIVE_ID);
+    }
+    bucket_[j & (kProbeRing - 1)] = b;
+  }
+
+  int64_t finish(int64_t j) {
+    const int64_t b = bucket_[j & (kProbeRing - 1)];
+    if (b < 0) return -1;
+    const uint32_t found = match(index_.keys + b * kWays, ids_[j]);
+    if (!found) return -1;
+    ++hits_[table_[j]];
+    return b * kWays + lowest_way(found);
+  }
+
+ private:
+  const GroupIndex& index_;
+  const int64_t* ids_;
+  const int64_t* table_;
+  int64_t* hits_;
+  int* status_;
+  int64_t bucket_[kProbeRing];
+};
+
+// Global slots [m] of ids [m] (ProbePipeline's rules), kProbeAhead ids in flight.
 inline void probe_pipelined(const GroupIndex& index, const int64_t* ids, const int64_t* table,
                             int64_t m, int64_t* slots, int64_t* hits, int* status) {
-  int64_t bucket[kProbeRing];
-  const int64_t T = index.num_tables;
-  auto start = [&](int64_t j) {
-    const int64_t t = table[j], id = ids[j];
-    int64_t b = -1;
-    if (t >= 0 && t < T && id >= 0) {
-      b = index.bucket_offset[t] + index_bucket(id, index.mods[t]);
-      prefetch_bucket(index.keys + b * kWays);
-    } else if (t != -1) {
-      *status = std::max<int>(*status, t < -1 || t >= T ? KV_BAD_TABLE : KV_NEGATIVE_ID);
-    }
-    bucket[j & (kProbeRing - 1)] = b;
-  };
+  ProbePipeline probe(index, ids, table, hits, status);
   const int64_t lead = std::min(m, kProbeAhead);
-  for (int64_t j = 0; j < lead; ++j) start(j);
+  for (int64_t j = 0; j < lead; ++j) probe.start(j);
   for (int64_t j = 0; j < m; ++j) {
-    if (j + kProbeAhead < m) start(j + kProbeAhead);
-    const int64_t b = bucket[j & (kProbeRing - 1)];
-    int64_t slot = -1;
-    if (b >= 0) {
-      const uint32_t found = match(index.keys + b * kWays, ids[j]);
-      if (found) {
-        slot = b * kWays + lowest_way(found);
-        ++hits[table[j]];
-      }
-    }
-    slots[j] = slot;
+    if (j + kProbeAhead < m) probe.start(j + kProbeAhead);
+    slots[j] = probe.finish(j);
   }
 }
 

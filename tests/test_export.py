@@ -2,7 +2,7 @@
 
 A collection in eval mode is read-only (ids without a row pool zeros), and its
 lookup is registered ops, so ``torch.export.export`` captures it: the graph
-holds ``kvemb.lookup_eval_group`` and ``kvemb.pooled_forward`` with the tables'
+holds ``kvemb.pooled_eval_group`` (probe and pool in one op) with the tables'
 arrays as constants. The program is saved with ``torch.export.save``, loaded in
 a fresh Python process that imports the package (which registers the ops), and
 run there on the same batches: its outputs equal the eager collection's bit for
@@ -98,7 +98,7 @@ def test_exported_collection_runs_in_a_fresh_process(tmp_path):
     example = _batch(10, 400)
     program = torch.export.export(ebc, (example,))
     targets = {str(n.target) for n in program.graph.nodes if "kvemb" in str(n.target)}
-    assert targets == {"kvemb.lookup_eval_group.default", "kvemb.pooled_forward.default"}
+    assert targets == {"kvemb.pooled_eval_group.default"}
     torch.export.save(program, tmp_path / "ebc.pt2")
 
     (got,) = _run_in_fresh_process(tmp_path / "ebc.pt2", [(example,)], tmp_path)
