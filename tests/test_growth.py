@@ -19,7 +19,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tests.torchrun_jobs import assert_scenarios_passed, read_result, run_job, torchrun_command
-from torchrec_kvemb import EvictionPolicy, KVEmbeddingBagCollection, KVTableOptions, SSDOptions
+from torchrec_kvemb import EvictionPolicy, KVEmbeddingBagCollection, KVTableOptions
 from torchrec_kvemb.backend import ENV_VAR
 from torchrec_kvemb.memory import table_memory
 from torchrec_kvemb.ops import native
@@ -213,9 +213,8 @@ def test_shards_grow_from_their_share():
     [
         ({"capacity": 100, "initial_capacity": 0}, "initial_capacity must be > 0"),
         ({"capacity": 100, "initial_capacity": 101}, "is above capacity 100"),
-        ({"capacity": 100, "initial_capacity": 10, "ssd": SSDOptions("/tmp/x")}, "lower tier"),
     ],
-    ids=["zero", "above_capacity", "ssd_tier"],
+    ids=["zero", "above_capacity"],
 )
 def test_bad_initial_capacity_is_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -339,12 +339,6 @@ class KVTableOptions:
                     f"KVTableOptions: initial_capacity {self.initial_capacity} is above "
                     f"capacity {self.capacity} (the most the table grows to)"
                 )
-            if self.tiered:
-                raise ValueError(
-                    "KVTableOptions: initial_capacity with a lower tier (ssd or host_tier) "
-                    "is not supported (a table over a lower tier keeps its capacity fixed); "
-                    "drop one"
-                )
         self._check_ttl()
         if self.host_tier is not None and not isinstance(self.host_tier, HostTierOptions):
             raise TypeError(

@@ -102,6 +102,8 @@ class TieredKVTable(KVTable, serves_ssd=True):
                     f"the table's scores, which are {policy.name} scores; use LRU or NONE"
                 )
         rank = default_rank() if rank is None else rank
+        #: Whether the scratch pad is the table's own (else its group's share).
+        self._own_pad = pad is None
         self._pad = pad or ScratchPad(self.weights, self.state).for_table(0, 0)
         self._native: tuple[GroupLayout, TableStorage] | None = None
         self._scratch_rows = 0  # distinct ids served from the pad (``scratch_rows``)
@@ -189,6 +191,36 @@ class TieredKVTable(KVTable, serves_ssd=True):
         """``KVTable.memory_bytes`` plus the scratch rows allocated."""
         return super().memory_bytes() + self._pad.memory_bytes()
 
+    # ----------------------------------------------------------------- growth
+    def rows_needed(self, ids: torch.Tensor, counts: torch.Tensor | None = None) -> int:
+        """``KVTable.rows_needed`` over the tiers: an id the lower tier holds (or the
+        scratch pad, until written back) takes a memory row whatever admission says
+        (a promotion), so it counts as admitted."""
+        if counts is not None and self.counter is not None and self.capacity < self.max_capacity:
+            if ids.numel():
+                held = (self._tier.lookup(ids.cpu()) >= 0).to(ids.device)
+                held[self._pad.find(ids)[0]] = True
+                counts = torch.where(held, self.options.admission_threshold, counts)
+        return super().rows_needed(ids, counts)
+
+    def rehash_into(self, storage: TableStorage) -> None:
+        """``KVTable.rehash_into``, after the last batch's scratch rows went to the
+        lower tier (``settle``: the pad after the old rows goes with them)."""
+        self.settle()
+        super().rehash_into(storage)
+
+    def use_rows(self, storage: TableStorage) -> None:
+        """``KVTable.use_rows``; a table with a pad of its own starts a new one after the
+        new rows (a group's table gets its share of the group's: ``use_pad``)."""
+        super().use_rows(storage)
+        self._native = None
+        if self._own_pad and hasattr(self, "_pad"):
+            self._pad = ScratchPad(self.weights, self.state).for_table(0, 0)
+
+    def use_pad(self, pad: TablePad) -> None:
+        """The table's share of its group's new scratch pad (a group that grew)."""
+        self._pad = pad
+
     def _restore(self) -> None:
         """Load what the last flush of a previous run left: counters, memory rows
         (those that no longer fit go to the SSD tier)."""
@@ -198,6 +230,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
         self.step = int(restored.meta.get("step", 0))
         self.optim_step = int(restored.meta.get("optim_step", 0))
         ids, records, scores = restored.ids, restored.records, restored.memory_scores
+        self.fit(ids)  # a growing table: as the table at its maximum restores them
         result = self.index.insert(
             ids.to(self.device), scores.to(self.device), accumulate=False, keep_existing=True
         )
@@ -220,6 +253,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
             return self._lookup_train_native(ids, custom_scores).slots
         self._begin_batch()
         uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+        self.make_room(uniq, counts)  # a growing table grows before it demotes
         mem_slots = self.index.probe(uniq)
         miss = (mem_slots < 0).nonzero().squeeze(1)
         found, ssd_slots, ssd_scores, ssd_rows = self.fetch_lower(uniq, miss)
@@ -282,6 +316,9 @@ class TieredKVTable(KVTable, serves_ssd=True):
         promotions; evicted rows are demoted before promoted and new rows take
         their slots)."""
         self._begin_batch()
+        if self.capacity < self.max_capacity:  # grows before it demotes
+            uniq, counts = torch.unique(ids, return_counts=True)
+            self.make_room(uniq, counts)
         layout, storage = self._native_group()
         return lookup_train_tiers(
             [self],
@@ -321,6 +358,9 @@ class TieredKVTable(KVTable, serves_ssd=True):
         self._count_ssd(counts, miss, found)
         if found.numel() == 0:
             return mem_slots[inverse]
+        if self.capacity < self.max_capacity:  # grows before a promotion demotes
+            self.make_room(uniq[found])
+            mem_slots = self.index.probe(uniq)
         before = self._scores_before(uniq[found])
         # The batch's hits in the buckets promotions go to stay protected, scores unchanged.
         hit_idx = hit.nonzero().squeeze(1)
@@ -365,6 +405,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
         go to the SSD tier (slot -1)."""
         ids, values = self._checked_insert(ids, weights, state, scores, exact_scores)
         self.settle()
+        self.make_room(ids)  # a growing table grows before it demotes
         tier = self._tier
         ssd_slots = tier.lookup(ids.cpu())
         held = (ssd_slots >= 0).nonzero().squeeze(1)
