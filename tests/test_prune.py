@@ -21,7 +21,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_kvemb import EvictionPolicy, KVEmbeddingBagCollection, KVTableOptions
 from torchrec_kvemb.backend import ENV_VAR
 from torchrec_kvemb.group import KVTableGroup
-from torchrec_kvemb.options import WAYS, SSDOptions, TTLOptions
+from torchrec_kvemb.options import WAYS, HostTierOptions, SSDOptions, TTLOptions
 from torchrec_kvemb.prune import Pruned, prune_export, prune_table, prune_tables
 from torchrec_kvemb.sharding.planner import kv_table_bytes
 from torchrec_kvemb.state_dict.rows import TableRows, restore_table
@@ -295,7 +295,14 @@ def test_memory_budget_and_planner_hold_the_counts(ttl):
 
 
 def test_count_sightings_with_a_lower_tier_or_growth_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="count_sightings with a lower tier or initial_capacity"):
+    # the error says what to do instead: an LFU table, whose scores count sightings
+    with pytest.raises(ValueError, match="count_sightings with a lower tier .*EvictionPolicy.LFU"):
         KVTableOptions(capacity=64, count_sightings=True, ssd=SSDOptions(str(tmp_path)))
-    with pytest.raises(ValueError, match="count_sightings with a lower tier or initial_capacity"):
+    with pytest.raises(ValueError, match="count_sightings with a lower tier .*EvictionPolicy.LFU"):
+        KVTableOptions(capacity=64, count_sightings=True, host_tier=HostTierOptions())
+    with pytest.raises(ValueError, match="count_sightings with initial_capacity .*EvictionPolicy.LFU"):
         KVTableOptions(capacity=64, initial_capacity=16, count_sightings=True)
+    # what it points to: an LFU table over tiers counts, and prunes by min_count
+    KVTableOptions(
+        capacity=64, eviction=EvictionPolicy.LFU, count_sightings=True, host_tier=HostTierOptions()
+    )

@@ -287,10 +287,19 @@ class KVTableOptions:
 
     def _check_ttl(self) -> None:
         if self.count_sightings and self.eviction != EvictionPolicy.LFU:
-            if self.tiered or self.initial_capacity is not None:
+            if self.tiered:
                 raise ValueError(
-                    "KVTableOptions: count_sightings with a lower tier or initial_capacity "
-                    "is not supported (the counts stay with the table's own rows); use "
+                    "KVTableOptions: count_sightings with a lower tier (ssd / host_tier) is "
+                    "not supported: the counts belong to the table's memory rows and would "
+                    "not go down to a tier and back with a row. Use "
+                    "eviction=EvictionPolicy.LFU (its scores are the rows' sightings and "
+                    "move with them; prune_export(min_count=...) reads them), or drop the "
+                    "tier"
+                )
+            if self.initial_capacity is not None:
+                raise ValueError(
+                    "KVTableOptions: count_sightings with initial_capacity is not supported "
+                    "(the counts stay in the slots of the table before it grows); use "
                     "eviction=EvictionPolicy.LFU, whose scores count them"
                 )
         if self.ttl is None:
