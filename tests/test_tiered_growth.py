@@ -21,6 +21,7 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from tests.device_support import ATOL, RTOL, assert_tables_equal, backend, kjt_to
 from tests.test_host_tier import _assert_rows_equal
 from torchrec_kvemb import (
     EvictionPolicy,
@@ -86,7 +87,7 @@ def _options(case: str, path, grows: bool) -> KVTableOptions:
     )
 
 
-def _ebc(case: str, dims: dict, path, grows: bool) -> KVEmbeddingBagCollection:
+def _ebc(case: str, dims: dict, path, grows: bool, device=None) -> KVEmbeddingBagCollection:
     configs = [
         EmbeddingBagConfig(
             name=name, embedding_dim=dim, num_embeddings=2**50, feature_names=[f"f{name}"]
@@ -94,7 +95,7 @@ def _ebc(case: str, dims: dict, path, grows: bool) -> KVEmbeddingBagCollection:
         for name, dim in dims.items()
     ]
     options = {name: _options(case, path / name, grows) for name in dims}
-    return KVEmbeddingBagCollection(configs, options, fused_params=FUSED)
+    return KVEmbeddingBagCollection(configs, options, device=device, fused_params=FUSED)
 
 
 def _by_id(ids: torch.Tensor, *values: torch.Tensor) -> list[torch.Tensor]:
@@ -224,3 +225,34 @@ def test_ids_the_tiers_hold_count_as_admitted_when_the_table_grows(monkeypatch):
     assert grown.capacity > WAYS and grown.size == fixed.size == ids.numel()
     assert grown.metrics()["demotions"] == fixed.metrics()["demotions"] == 0
     _assert_same_tiers(grown, fixed, "after the promotions")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_growing_over_tiers_on_the_device(device, layout, tmp_path):
+    """The growing collection over tiers on the device under test (its default
+    backend), the one built at its maximum on the CPU torch path: the same outputs
+    and rows (every tier's) at every step."""
+    dims, case = LAYOUTS[layout], "lru-host-bounded-over-ssd"
+    with backend("auto"):
+        grown = _ebc(case, dims, tmp_path / "g", True, device=device)
+    with backend("torch"):
+        fixed = _ebc(case, dims, tmp_path / "f", False)
+    width = sum(dims.values())
+    for step, kjt in enumerate(_batches(dims)):
+        grad = torch.randn(4, width, generator=torch.Generator().manual_seed(step))
+        with backend("auto"):
+            got = grown(kjt_to(kjt, device)).values()
+            (got * grad.to(device)).sum().backward()
+        with backend("torch"):
+            want = fixed(kjt).values()
+            (want * grad).sum().backward()
+        torch.testing.assert_close(got.cpu(), want, rtol=RTOL, atol=ATOL)
+        for name in dims:
+            a, b = grown.table(name), fixed.table(name)
+            assert_tables_equal(f"step {step} {name}", a.export(), b.export())
+            assert a.metrics()["demotions"] == b.metrics()["demotions"], f"step {step} {name}"
+    for name in dims:
+        m = grown.table(name).metrics()
+        assert m["growths"] > 0 and m["demotions"] > 0, m
+        grown.table(name).close()
+        fixed.table(name).close()

@@ -20,6 +20,7 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from tests.device_support import ATOL, RTOL, assert_tables_equal, backend, kjt_to
 from tests.test_host_tier import _assert_rows_equal
 from torchrec_kvemb import (
     EvictionPolicy,
@@ -91,7 +92,9 @@ def _options(case: str | None, path=None, ttl: TTLOptions | None = None) -> KVTa
     )
 
 
-def _ebc(case: str | None, path=None, ttl: TTLOptions | None = None) -> KVEmbeddingBagCollection:
+def _ebc(
+    case: str | None, path=None, ttl: TTLOptions | None = None, device=None
+) -> KVEmbeddingBagCollection:
     configs = [
         EmbeddingBagConfig(
             name=name, embedding_dim=dim, num_embeddings=2**50, feature_names=[f"f{name}"]
@@ -99,7 +102,7 @@ def _ebc(case: str | None, path=None, ttl: TTLOptions | None = None) -> KVEmbedd
         for name, dim in DIMS.items()
     ]
     options = {name: _options(case, path and path / name, ttl) for name in DIMS}
-    return KVEmbeddingBagCollection(configs, options, fused_params=FUSED)
+    return KVEmbeddingBagCollection(configs, options, device=device, fused_params=FUSED)
 
 
 def _train_twins(tiered, full, batches, first_step: int = 0) -> None:
@@ -253,3 +256,30 @@ def test_a_restart_over_the_ssd_tier_keeps_the_last_steps(tmp_path, monkeypatch)
     assert kept.metrics()["ttl_evictions"] > 0
     reopened.close()
     kept.close()
+
+
+def test_tiered_ttl_on_the_device(device, tmp_path):
+    """The tiered TTL collection on the device under test (its default backend; on
+    CUDA the host tier's rows pinned), the all-in-memory TTL twin on the CPU torch
+    path: the same outputs, rows and TTL frees at every step."""
+    with backend("auto"):
+        tiered = _ebc("host-bounded-over-ssd", tmp_path, device=device)
+    with backend("torch"):
+        full = _ebc(None)
+    for step, kjt in enumerate(_batches(6)):
+        grad = torch.randn(4, sum(DIMS.values()), generator=torch.Generator().manual_seed(step))
+        with backend("auto"):
+            got = tiered(kjt_to(kjt, device)).values()
+            (got * grad.to(device)).sum().backward()
+        with backend("torch"):
+            want = full(kjt).values()
+            (want * grad).sum().backward()
+        torch.testing.assert_close(got.cpu(), want, rtol=RTOL, atol=ATOL)
+        for name in DIMS:
+            a, b = tiered.table(name), full.table(name)
+            assert_tables_equal(f"step {step} {name}", a.export(), b.export())
+            assert a.metrics()["ttl_evictions"] == b.metrics()["ttl_evictions"], step
+    for name in DIMS:
+        m = tiered.table(name).metrics()
+        assert m["ttl_evictions"] > 0 and m["host_evictions"] > 0, m
+        tiered.table(name).close()
