@@ -237,7 +237,7 @@ typedef struct KvPooledArgs {
   int64_t out_numel;
   const int64_t* out_offset;  // [num_bags] or null
   // Counters (overwritten; each optional): ids of each table found and seen
-  // ([T] each, eval), and ids of a table with slot -1 ([1], with slots).
+  // ([T] each, eval), and ids of a table with slot -1 ([1]).
   int64_t* hits;
   int64_t* seen;
   int64_t* missing;

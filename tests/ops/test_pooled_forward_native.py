@@ -46,11 +46,13 @@ class Batch:
         self.bags = Bags.build(self.offsets, self.n, self.weights, mean)
 
 
+@pytest.mark.parametrize("dim", [13, 32, 64, 128], ids=lambda d: f"dim{d}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", BAGS)
-def test_pooled_forward_is_the_torch_forward(dtype, kind):
+def test_pooled_forward_is_the_torch_forward(dtype, kind, dim):
+    """Dims 32, 64 and 128 run the kernel's fixed-width sums, 13 its general one."""
     gen = torch.Generator().manual_seed(11)
-    weights = torch.randn(103, 13, generator=gen).to(dtype)
+    weights = torch.randn(103, dim, generator=gen).to(dtype)
     batch = Batch(kind, gen)
     offsets, n, bags = batch.offsets, batch.n, batch.bags
     table_idx = torch.randint(-1, 3, (n,), generator=gen)
@@ -67,13 +69,13 @@ def test_pooled_forward_is_the_torch_forward(dtype, kind):
     assert torch.equal(rows, group_rows_forward_torch(weights, slots, slots, table_idx, (), True))
 
 
-def _group(dtype: torch.dtype) -> KVTableGroup:
+def _group(dtype: torch.dtype, dim: int = 7) -> KVTableGroup:
     options = [
         KVTableOptions(capacity=80, weights_dtype=dtype, init_low=-1.0, init_high=1.0),
         KVTableOptions(capacity=48, weights_dtype=dtype, seed=5),
         KVTableOptions(capacity=112, weights_dtype=dtype, init_low=-3.0, init_high=2.0),
     ]
-    group = KVTableGroup(["a", "b", "c"], options, dim=7)
+    group = KVTableGroup(["a", "b", "c"], options, dim=dim)
     gen = torch.Generator().manual_seed(3)
     for _ in range(3):  # stored rows, and some ids left out by eviction
         ids = torch.randint(0, 300, (150,), generator=gen)
@@ -81,10 +83,11 @@ def _group(dtype: torch.dtype) -> KVTableGroup:
     return group
 
 
+@pytest.mark.parametrize("dim", [7, 64], ids=lambda d: f"dim{d}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", BAGS)
-def test_pooled_eval_is_the_lookup_then_the_torch_forward(dtype, kind):
-    group = _group(dtype)
+def test_pooled_eval_is_the_lookup_then_the_torch_forward(dtype, kind, dim):
+    group = _group(dtype, dim)
     gen = torch.Generator().manual_seed(4)
     batch = Batch(kind, gen)
     offsets, n, bags = batch.offsets, batch.n, batch.bags
@@ -97,8 +100,8 @@ def test_pooled_eval_is_the_lookup_then_the_torch_forward(dtype, kind):
     bag_list = (table_of_bag >= 0).nonzero().squeeze(1)
     bag_list = bag_list[torch.randperm(bag_list.numel(), generator=gen)]  # by output row
     out_offset = torch.full((41,), -1)
-    out_offset[bag_list] = torch.arange(bag_list.numel()) * 7
-    shape = (bag_list.numel() // 3, 21)
+    out_offset[bag_list] = torch.arange(bag_list.numel()) * dim
+    shape = (bag_list.numel() // 3, 3 * dim)
     want = pooled.index_select(0, bag_list[: shape[0] * 3]).view(shape)
     out_offset[bag_list[shape[0] * 3 :]] = -1  # bags not written
     seen = torch.bincount(table_idx[table_idx >= 0], minlength=3)
