@@ -6,8 +6,9 @@ backward with the optimizer (``kvemb::fused_backward``); an eval step is one pro
 (``kvemb::lookup_eval_group``) and one pooled forward. ``kernel_times`` charges the
 outermost ``kvemb::`` ops of a step to those parts from ``torch.profiler`` (each
 op with everything it calls); ``StepBreakdown.other_ms`` is the rest of the
-step's wall time, measured without the profiler: Python, input checks, bag
-bookkeeping, autograd. TBE's whole step of the same run stands beside it.
+same profiled steps' wall time: Python, input checks, bag bookkeeping,
+autograd (and the profiler's own cost, a few microseconds an op). The ratio to
+TBE's whole step comes from the interleaved timing of the same run.
 
 ``plot`` draws the parts as stacked bars, train and eval, this run beside a
 run kept as JSON (``benchmarks/data/breakdown_before.json``: the code at commit
@@ -17,7 +18,7 @@ Run from the repository root (the Zipf 1.05 stream of ``benchmarks.matrix``)::
 
     python -m benchmarks.breakdown                       # prints the breakdown, writes the plot
     python -m benchmarks.breakdown --json out.json       # also keeps this run's figures
-    python -m benchmarks.breakdown --locality            # also TBE eval, packed vs scattered
+    python -m benchmarks.breakdown --locality            # also stock eval, packed vs scattered
     python -m benchmarks.breakdown --quick --plot /tmp/b.png
 """
 
@@ -27,6 +28,7 @@ import argparse
 import datetime
 import json
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -71,9 +73,10 @@ def op_part(name: str) -> str | None:
 class StepBreakdown:
     """One KV step (``mode``: train or eval) split into its parts, ms per step.
 
-    ``total_ms``: the KV step's median wall time, timed without the profiler;
-    ``tbe_ms``: TBE's whole step in the same run; ``fused_ms``: probe and pool in
-    one op (then ``lookup_ms`` and ``forward_ms`` hold none of it)."""
+    ``total_ms`` / ``tbe_ms``: the KV and TBE steps' median wall time in the
+    interleaved timing (no profiler); ``profiled_ms``: the wall time of the
+    profiled KV steps the parts come from (0: ``total_ms``); ``fused_ms``: probe
+    and pool in one op (then ``lookup_ms`` and ``forward_ms`` hold none of it)."""
 
     mode: str
     total_ms: float
@@ -82,11 +85,17 @@ class StepBreakdown:
     backward_ms: float
     tbe_ms: float
     fused_ms: float = 0.0
+    profiled_ms: float = 0.0
+
+    @property
+    def step_ms(self) -> float:
+        """The step the parts add up to: the profiled one."""
+        return self.profiled_ms or self.total_ms
 
     @property
     def other_ms(self) -> float:
         kernels = self.lookup_ms + self.fused_ms + self.forward_ms + self.backward_ms
-        return max(0.0, self.total_ms - kernels)
+        return max(0.0, self.step_ms - kernels)
 
     def parts(self) -> dict[str, float]:
         values = (self.lookup_ms, self.fused_ms, self.forward_ms, self.backward_ms, self.other_ms)
@@ -103,18 +112,24 @@ class StepBreakdown:
     @classmethod
     def from_json(cls, data: Mapping[str, object]) -> StepBreakdown:
         fields = ("mode", "total_ms", "lookup_ms", "forward_ms", "backward_ms", "tbe_ms")
-        return cls(**{k: data[k] for k in fields}, fused_ms=data.get("fused_ms", 0.0))
+        extra = {k: data.get(k, 0.0) for k in ("fused_ms", "profiled_ms")}
+        return cls(**{k: data[k] for k in fields}, **extra)
 
 
-def profile_step(fn: Callable[[int], object], calls: int, limit: int = 25) -> tuple[dict, str]:
+def profile_step(
+    fn: Callable[[int], object], calls: int, limit: int = 25
+) -> tuple[dict[str, float], float, str]:
     """``calls`` calls of ``fn(i)`` under ``torch.profiler``: ms per call by part
     (outermost ``kvemb::`` ops only, so nothing counts twice; ``other`` holds
-    ``kvemb::`` ops of no part) and the op table (``common.ops_table``)."""
+    ``kvemb::`` ops of no part), the calls' wall ms per call, and the op table
+    (``common.ops_table``)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
+        begin = time.perf_counter()
         for i in range(calls):
             fn(i)
+        wall_ms = 1e3 * (time.perf_counter() - begin) / calls
     parts = dict.fromkeys(PARTS, 0.0)
     for event in prof.events():
         part = op_part(event.name)
@@ -128,24 +143,28 @@ def profile_step(fn: Callable[[int], object], calls: int, limit: int = 25) -> tu
             parent = parent.cpu_parent
         if not nested:
             parts[part] += event.cpu_time_total / 1e3 / calls
-    return parts, ops_table(prof, calls, limit)
+    return parts, wall_ms, ops_table(prof, calls, limit)
 
 
-def breakdown(mode: str, parts: Mapping[str, float], total_ms: float, tbe_ms: float):
-    """A ``StepBreakdown`` from ``profile_step``'s parts and the timed steps."""
+def breakdown(
+    mode: str, parts: Mapping[str, float], profiled_ms: float, total_ms: float, tbe_ms: float
+) -> StepBreakdown:
+    """A ``StepBreakdown`` from ``profile_step``'s parts and wall time and the timed steps."""
     return StepBreakdown(
         mode, total_ms, parts["lookup"], parts["pooled forward"], parts["fused backward"], tbe_ms,
-        parts["probe + pool"],
+        parts["probe + pool"], profiled_ms,
     )  # fmt: skip
 
 
 def table(steps: Sequence[StepBreakdown]) -> tuple[tuple[str, ...], list[tuple]]:
-    """Headers and rows: one row per step, ms per part, KV and TBE totals, the ratio."""
-    headers = ("KV step", *PARTS, "KV total", "TBE total", "KV / TBE")
+    """Headers and rows: one row per step, ms per part, the profiled KV step, the timed
+    KV and TBE steps, the ratio."""
+    headers = ("KV step", *PARTS, "KV profiled", "KV timed", "TBE timed", "KV / TBE")
     rows = [
         (
             s.mode,
             *(f"{v:.1f}" for v in s.parts().values()),
+            f"{s.step_ms:.1f}",
             f"{s.total_ms:.1f}",
             f"{s.tbe_ms:.1f}",
             format_ratio(s.ratio),
@@ -203,10 +222,10 @@ def plot(runs: Sequence[Mapping], path: str | Path) -> Path:
 
     palette = ("tab:blue", "tab:purple", "tab:orange", "tab:green", "tab:gray")
     colors = dict(zip(PARTS, palette, strict=True))
-    fig, ax = plt.subplots(figsize=(max(6.0, 2.2 * len(runs) + 2.5), 4.5))
-    x, ticks, labels = 0.0, [], []
+    fig, axes = plt.subplots(1, 2, figsize=(max(7.0, 2.6 * len(runs) + 3.0), 4.5))
     drawn: set[str] = set()
-    for mode in ("train", "eval"):
+    for ax, mode in zip(axes, ("train", "eval"), strict=True):
+        x, ticks, labels = 0.0, [], []
         for run in runs:
             step = next((s for s in run["steps"] if s.mode == mode), None)
             if step is None:
@@ -219,7 +238,7 @@ def plot(runs: Sequence[Mapping], path: str | Path) -> Path:
                        label=None if part in drawn else part)  # fmt: skip
                 drawn.add(part)
                 bottom += value
-            ax.text(x, bottom, f"{step.total_ms:.1f}\n{format_ratio(step.ratio)}",
+            ax.text(x, bottom, f"{step.step_ms:.1f}\n{format_ratio(step.ratio)}",
                     ha="center", va="bottom", fontsize=7)  # fmt: skip
             ax.bar(x + 0.85, step.tbe_ms, 0.8, color="tab:red",
                    label=None if "TBE" in drawn else "TBE whole step")  # fmt: skip
@@ -227,15 +246,22 @@ def plot(runs: Sequence[Mapping], path: str | Path) -> Path:
             ax.text(x + 0.85, step.tbe_ms, f"{step.tbe_ms:.1f}", ha="center", va="bottom",
                     fontsize=7)  # fmt: skip
             ticks += [x, x + 0.85]
-            labels += [f"{mode}\n{run['label']}\nKV", f"{mode}\n{run['label']}\nTBE"]
+            labels += ["KV", "TBE"]
+            ax.text(x + 0.425, -0.1, run["label"].replace(" (", "\n("), ha="center", va="top",
+                    fontsize=7, transform=ax.get_xaxis_transform())  # fmt: skip
             x += 2.2
-        x += 0.6
-    ax.set_xticks(ticks)
-    ax.set_xticklabels(labels, fontsize=7)
-    ax.set_ylabel("ms per step")
-    ax.set_title("KV EBC step by part (labels: ms, KV/TBE speed) vs TBE, Zipf 1.05", fontsize=9)
-    ax.legend(fontsize=7, loc="upper right")
-    fig.tight_layout()
+        ax.set_xticks(ticks)
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_ylabel("ms per step")
+        ax.set_title(f"{mode} step", fontsize=9)
+        ax.margins(y=0.15)
+    fig.suptitle(
+        "KV EBC step by part vs TBE's step, Zipf 1.05 (labels: KV ms, KV/TBE speed)", fontsize=9
+    )
+    handles = [h for ax in axes for h in ax.get_legend_handles_labels()[0]]
+    names = [n for ax in axes for n in ax.get_legend_handles_labels()[1]]
+    fig.legend(handles, names, fontsize=7, loc="upper right")
+    fig.tight_layout(rect=(0, 0.04, 0.86, 0.95))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -243,31 +269,52 @@ def plot(runs: Sequence[Mapping], path: str | Path) -> Path:
     return path
 
 
-# ------------------------------------------------------ TBE eval locality
-def tbe_locality(config, calls_per_block: int = 5, repeats: int = 7) -> dict[str, float]:
-    """TBE eval ms/step on Zipf ids whose ranks are scattered over the table (as
-    every benchmark draws them) and packed at row 0 (id = rank - 1), taking turns."""
+# ---------------------------------------------------------- eval locality
+def locality(config, calls_per_block: int = 5, repeats: int = 7) -> dict[str, float]:
+    """Eval ms/step of the stock tables on Zipf ids whose ranks are scattered over
+    the table (as every benchmark draws them) and packed at row 0 (id = rank - 1),
+    all taking turns: TBE (pooled) and TorchRec's ``EmbeddingCollection`` (a
+    gather of rows, the sequence eval's stock system). Keys ``"TBE scattered"``,
+    ``"TBE packed"``, ``"EC scattered"``, ``"EC packed"``."""
+    from torchrec.modules.embedding_configs import EmbeddingConfig
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+
     from benchmarks import ebc_train
 
     previous = set_threads(config.threads)
     try:
         tbe = ebc_train.build_tbe(config)
+        ec = EmbeddingCollection(
+            [
+                EmbeddingConfig(name=f"t{t}", embedding_dim=config.dim,
+                                num_embeddings=config.rows, feature_names=[f"f{t}"])
+                for t in range(config.tables)
+            ],
+            device=torch.device("cpu"),
+        )  # fmt: skip
+        timed = replace(config, spread=False, prime=0, warmup=1, steps=calls_per_block,
+                        repeats=repeats)  # fmt: skip
         steps = {}
         for name, scatter in (("scattered", True), ("packed", False)):
             samplers = [
                 ZipfIds(config.rows, config.alpha, config.seed + t, scatter=scatter)
                 for t in range(config.tables)
             ]
-            batches = ebc_train.make_batches(
-                replace(config, spread=False, prime=0, warmup=1, steps=calls_per_block,
-                        repeats=repeats),
-                samplers,
-            )  # fmt: skip
-            steps[name] = ebc_train.tbe_eval(tbe, batches.held_out)
+            held_out = ebc_train.make_batches(timed, samplers).held_out
+            steps[f"TBE {name}"] = ebc_train.tbe_eval(tbe, held_out)
+            steps[f"EC {name}"] = _ec_eval(ec, held_out)
         timings = time_interleaved(steps, calls_per_block, repeats)
         return {name: 1e3 * t.median_s for name, t in timings.items()}
     finally:
         torch.set_num_threads(previous)
+
+
+def _ec_eval(ec, batches: list) -> Callable[[int], None]:
+    def step(i: int) -> None:
+        with torch.no_grad():
+            ec(batches[i % len(batches)])
+
+    return step
 
 
 # --------------------------------------------------------------------- CLI
@@ -281,7 +328,9 @@ def main(argv: Sequence[str] | None = None) -> list[StepBreakdown]:
     parser.add_argument("--label", default="after", help="this run's name in the plot")
     parser.add_argument("--before", default=str(BEFORE_JSON), help="a kept run to plot beside")
     parser.add_argument("--plot", default=str(PLOT), help="the plot's path ('' for none)")
-    parser.add_argument("--locality", action="store_true", help="also TBE eval packed/scattered")
+    parser.add_argument(
+        "--locality", action="store_true", help="also stock eval on packed / scattered ranks"
+    )
     args = parser.parse_args(argv)
     config = ebc_train.QUICK if args.quick else ebc_train.BenchConfig()
     result = matrix.run_stream(matrix.STREAMS["zipf1.05"], config, profile=True)
@@ -298,11 +347,12 @@ def main(argv: Sequence[str] | None = None) -> list[StepBreakdown]:
         this["steps"] = steps
         print(f"wrote {plot([*runs, this], args.plot)}")
     if args.locality:
-        ms = tbe_locality(replace(config, spread=False))
+        ms = locality(replace(config, spread=False))
         print(
-            f"TBE eval, Zipf {config.alpha} ranks scattered over the table: "
-            f"{ms['scattered']:.2f} ms/step; packed at row 0: {ms['packed']:.2f} ms/step "
-            f"(load average {load_average():.2f})"
+            f"Stock eval, ms/step, Zipf {config.alpha} ranks scattered over the table / "
+            "packed at row 0 (load average "
+            f"{load_average():.2f}):\n"
+            + "\n".join(f"  {name}: {value:.2f}" for name, value in ms.items())
         )
     return steps
 

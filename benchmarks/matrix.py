@@ -25,7 +25,7 @@ lookup, pooled forward, fused backward, other), by Python function and by op.
 Run from the repository root::
 
     python -m benchmarks.matrix                                  # about 2-3 min on 2 cores
-    python -m benchmarks.matrix --profile --out docs/bench_matrix.md
+    python -m benchmarks.matrix --profile --out docs/bench_matrix.md --plots docs/plots
     python -m benchmarks.matrix --streams zipf1.2,capacity --quick
 """
 
@@ -36,6 +36,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -76,8 +77,8 @@ from benchmarks.ebc_train import (
 )
 from torchrec_kvemb.backend import implementation
 
-#: Profiled calls per mode (functions, then ops).
-PROFILE_CALLS = 3
+#: Profiled calls per mode (functions, then parts and ops).
+PROFILE_CALLS = 4
 #: Most priming steps of an evicting stream (it stops at the first step that evicts
 #: with the tables at least ``FULL`` full).
 MAX_FILL_STEPS = 400
@@ -199,15 +200,15 @@ def _log(message: str, verbose: bool) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def _profile(step: Callable[[int], object], start: int) -> tuple[dict, str]:
-    """Function table, then parts and op table, of ``PROFILE_CALLS`` calls each."""
+def _profile(step: Callable[[int], object], start: int) -> tuple[dict, float, str]:
+    """Function table, then parts, wall ms and op table, of ``PROFILE_CALLS`` calls each."""
     functions = profile_functions(lambda i: step(start + i), PROFILE_CALLS, "torchrec_kvemb")
-    parts, ops = bd.profile_step(lambda i: step(start + PROFILE_CALLS + i), PROFILE_CALLS)
+    parts, wall_ms, ops = bd.profile_step(lambda i: step(start + PROFILE_CALLS + i), PROFILE_CALLS)
     text = (
         f"By torchrec_kvemb function (innermost on the stack, per step):\n{functions}\n\n"
         f"By torch op (torch.profiler, per step):\n{ops}"
     )
-    return parts, text
+    return parts, wall_ms, text
 
 
 def run_stream(
@@ -301,18 +302,12 @@ def _run_stream(
 
     breakdowns, profiles = [], {}
     if profile:
-        kv.train()
-        parts, profiles["train"] = _profile(train_steps[KV], train_start)
-        breakdowns.append(
-            bd.breakdown("train", parts, 1e3 * train[KV].median_s, 1e3 * train[TBE].median_s)
-        )
-        kv.eval()
-        parts, profiles["eval"] = _profile(eval_steps[KV], train_start)
-        breakdowns.append(
-            bd.breakdown(
-                "eval", parts, 1e3 * evaluation[KV].median_s, 1e3 * evaluation[TBE].median_s
-            )
-        )
+        modes = (("train", train_steps, train), ("eval", eval_steps, evaluation))
+        for mode, steps, timings in modes:
+            kv.train(mode == "train")
+            parts, wall_ms, profiles[mode] = _profile(steps[KV], train_start)
+            kv_ms, tbe_ms = 1e3 * timings[KV].median_s, 1e3 * timings[TBE].median_s
+            breakdowns.append(bd.breakdown(mode, parts, wall_ms, kv_ms, tbe_ms))
     return StreamResult(
         stream, config, stream.ids(base), stream.hashed(base), tuple(results), steady, primed,
         kv_path, (load_at_start, load_average()),
@@ -437,6 +432,58 @@ def write_report(results: Sequence[StreamResult], path: str, command: str) -> No
     write_markdown(path, "Benchmark matrix: KV EBC vs FBGEMM TBE (CPU)", sections)
 
 
+# ------------------------------------------------------------------ plots
+def plot(results: Sequence[StreamResult], path: str | Path) -> Path:
+    """KV / TBE per stream, train and eval side by side, targets as dashed marks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    width = 0.38
+    fig, ax = plt.subplots(figsize=(7.0, 4.0))
+    labelled = False
+    for i, mode in enumerate(("train", "eval")):
+        xs = [k + (i - 0.5) * width for k in range(len(results))]
+        values = [r.ratio(mode) for r in results]
+        bars = ax.bar(xs, values, width, label=mode)
+        ax.bar_label(bars, labels=[format_ratio(v) for v in values], fontsize=8)
+        for x, r in zip(xs, results, strict=True):
+            target = r.target(mode)
+            if target is not None:
+                ax.hlines(target, x - width / 2, x + width / 2, colors="black", linestyles="--",
+                          label=None if labelled else "target")  # fmt: skip
+                labelled = True
+    ax.set_xticks(range(len(results)))
+    ax.set_xticklabels([r.stream.name for r in results])
+    ax.set_ylabel("KV / TBE (ids/s)")
+    ax.set_title("Benchmark matrix: KV EBC over FBGEMM TBE per id stream")
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plots(results: Sequence[StreamResult], plot_dir: str | Path) -> list[Path]:
+    """``matrix.png`` and, where the Zipf 1.05 stream ran with ``profile``,
+    ``step_breakdown.png``: its KV steps by part beside the kept "before" run
+    (``breakdown.BEFORE_JSON``)."""
+    plot_dir = Path(plot_dir)
+    paths = [plot(results, plot_dir / "matrix.png")]
+    zipf = next((r for r in results if r.stream.name == "zipf1.05" and r.breakdowns), None)
+    if zipf is not None:
+        after = bd.record(zipf.breakdowns, describe_stream(zipf), zipf.load, "after")
+        after["steps"] = list(zipf.breakdowns)
+        runs = [after]
+        if bd.BEFORE_JSON.exists():
+            runs.insert(0, bd.load_record(bd.BEFORE_JSON))
+        paths.append(bd.plot(runs, plot_dir / "step_breakdown.png"))
+    return paths
+
+
 # -------------------------------------------------------------------- CLI
 def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -444,6 +491,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namesp
     parser.add_argument("--streams", default=",".join(STREAMS), help="comma-separated streams")
     parser.add_argument("--profile", action="store_true", help="also profile each KV step")
     parser.add_argument("--out", help="also write a markdown report to this path")
+    parser.add_argument("--plots", help="also write matrix.png (and step_breakdown.png) here")
     names = add_config_flags(parser, BenchConfig, skip=("spread", "alpha", "mch_eviction_interval"))
     args = parser.parse_args(argv)
     chosen = [s.strip() for s in args.streams.split(",") if s.strip()]
@@ -463,6 +511,8 @@ def main(argv: Sequence[str] | None = None) -> list[StreamResult]:
     if args.out:
         write_report(results, args.out, command_line("benchmarks.matrix", argv))
         print(f"\nwrote {args.out}")
+    if args.plots:
+        print(f"wrote {', '.join(str(p) for p in plots(results, args.plots))}")
     return results
 
 

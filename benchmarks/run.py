@@ -412,51 +412,12 @@ def plot_ebc_throughput(result, path: Path) -> Path:
     return _save(fig, path)
 
 
-def plot_matrix(results, path: Path) -> Path:
-    """KV / TBE per stream, train and eval side by side, targets as dashed marks."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    width = 0.38
-    fig, ax = plt.subplots(figsize=(7.0, 4.0))
-    labelled = False
-    for i, mode in enumerate(("train", "eval")):
-        xs = [k + (i - 0.5) * width for k in range(len(results))]
-        values = [r.ratio(mode) for r in results]
-        bars = ax.bar(xs, values, width, label=mode)
-        ax.bar_label(bars, labels=[format_ratio(v) for v in values], fontsize=8)
-        for x, r in zip(xs, results, strict=True):
-            target = r.target(mode)
-            if target is not None:
-                ax.hlines(target, x - width / 2, x + width / 2, colors="black", linestyles="--",
-                          label=None if labelled else "target")  # fmt: skip
-                labelled = True
-    ax.set_xticks(range(len(results)))
-    ax.set_xticklabels([r.stream.name for r in results])
-    ax.set_ylabel("KV / TBE (ids/s)")
-    ax.set_title("Benchmark matrix: KV EBC over FBGEMM TBE per id stream")
-    ax.legend()
-    return _save(fig, path)
-
-
 def matrix_outputs(results, out_dir: Path, command: str) -> list[Path]:
-    """The matrix's markdown report, its plot, and the step breakdown beside the kept
-    "before" run (where the Zipf 1.05 stream ran with its profile)."""
-    from benchmarks import breakdown, matrix
+    """The matrix's markdown report and its plots (``matrix.plots``)."""
+    from benchmarks import matrix
 
     matrix.write_report(results, str(out_dir / MATRIX_FILE), f"{command} (its matrix part)")
-    plots = [plot_matrix(results, out_dir / "plots" / "matrix.png")]
-    zipf = next((r for r in results if r.stream.name == "zipf1.05" and r.breakdowns), None)
-    if zipf is not None:
-        after = breakdown.record(zipf.breakdowns, matrix.describe_stream(zipf), zipf.load, "after")
-        after["steps"] = list(zipf.breakdowns)
-        runs = [after]
-        if breakdown.BEFORE_JSON.exists():
-            runs.insert(0, breakdown.load_record(breakdown.BEFORE_JSON))
-        plots.append(breakdown.plot(runs, out_dir / "plots" / "step_breakdown.png"))
-    return plots
+    return matrix.plots(results, out_dir / "plots")
 
 
 def plot_gpu_bandwidth(result, path: Path) -> Path:

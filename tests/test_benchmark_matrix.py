@@ -82,7 +82,10 @@ def test_profile_splits_each_kv_step(report: tuple[list, str]) -> None:
         assert "kvemb::lookup_train_group" in r.profiles["train"]
         assert "kvemb::" in r.profiles["eval"]
         assert f"## Where the KV step's time goes: {r.stream.name}" in text
-    assert "| KV step | lookup | probe + pool | pooled forward | fused backward | other |" in text
+    assert (
+        "| KV step | lookup | probe + pool | pooled forward | fused backward | other "
+        "| KV profiled | KV timed | TBE timed | KV / TBE |"
+    ) in text
     assert "KV ops: native" in text
 
 
@@ -116,6 +119,9 @@ def test_other_is_the_rest_of_the_step() -> None:
     assert step.other_ms == pytest.approx(2.5)
     fused = breakdown.StepBreakdown("eval", 10.0, 0.0, 0.0, 0.0, 8.0, fused_ms=6.0)
     assert fused.parts()["probe + pool"] == 6.0 and fused.other_ms == pytest.approx(4.0)
+    profiled = breakdown.StepBreakdown("eval", 10.0, 3.0, 3.0, 0.0, 8.0, profiled_ms=12.0)
+    assert profiled.step_ms == 12.0 and profiled.other_ms == pytest.approx(6.0)
+    assert profiled.ratio == pytest.approx(0.8)  # the timed steps' ratio
     assert sum(step.parts().values()) == pytest.approx(10.0)
     assert step.ratio == pytest.approx(0.8)
     assert breakdown.StepBreakdown.from_json(json.loads(json.dumps(step.to_json()))) == step
@@ -146,3 +152,10 @@ def test_uniform_ids_cover_their_range() -> None:
     assert ids.dtype == torch.int64
     assert int(ids.min()) >= 0 and int(ids.max()) < 100_000_000
     assert int(ids.max()) > 90_000_000 and torch.unique(ids).numel() > 9_990
+
+
+def test_locality_times_stock_eval_on_packed_and_scattered_ranks() -> None:
+    config = matrix.QUICK
+    ms = breakdown.locality(config, calls_per_block=1, repeats=1)
+    assert set(ms) == {"TBE scattered", "TBE packed", "EC scattered", "EC packed"}
+    assert all(value > 0 for value in ms.values())
