@@ -256,3 +256,24 @@ def test_growing_over_tiers_on_the_device(device, layout, tmp_path):
         assert m["growths"] > 0 and m["demotions"] > 0, m
         grown.table(name).close()
         fixed.table(name).close()
+
+
+def test_a_budget_holds_for_a_table_that_grows_over_a_tier(tmp_path, monkeypatch):
+    # memory_budget_bytes is the maximum's: the table starts below it, and once grown
+    # (and its scratch pad in use) it holds exactly what the planner counts, within it
+    from tests.test_memory_budget import allocated
+    from torchrec_kvemb.sharding.planner import kv_table_bytes
+
+    monkeypatch.setenv(ENV_VAR, "auto")
+    budget = 60_013
+    options = KVTableOptions(
+        memory_budget_bytes=budget, initial_capacity=WAYS, host_tier=HostTierOptions()
+    )
+    table = KVTable("t", 4, options)
+    planned = kv_table_bytes(options, 4, table.optim)
+    assert table.capacity < table.max_capacity and allocated(table) < planned
+    ids = torch.arange(table.max_capacity + 101) * 1_000_003  # more than the maximum holds
+    table.lookup_train(ids)
+    assert table.capacity == table.max_capacity and table.metrics()["scratch_rows"] > 0
+    assert allocated(table) == table.memory_bytes() == planned <= budget
+    assert table.metrics()["host_size"] > 0
