@@ -254,6 +254,25 @@ def test_count_sightings_counts_each_rows_occurrences_since_it_was_stored(
     assert full > 0 if admission == 1 else sum(m["admission_rejects"] for m in stats) > 0
 
 
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_a_growing_table_keeps_its_counts_when_it_grows(monkeypatch, backend):
+    # the counts move with their rows into the grown table's slots
+    monkeypatch.setenv(ENV_VAR, {"native": "auto"}.get(backend, backend))
+    options = KVTableOptions(
+        capacity=8 * WAYS,
+        initial_capacity=WAYS,
+        count_sightings=True,
+        ttl=TTLOptions(steps=3, sweep_buckets_per_step=1),
+    )
+    table, ref = KVTable("t", 5, options), Counted()
+    for ids in _stream(8):
+        before = set(table.export()["ids"].tolist())
+        table.lookup_train(ids)
+        ref.step(ids, before, set(table.export()["ids"].tolist()))
+        assert _sightings(table) == ref.count, f"capacity {table.capacity}"
+    assert table.metrics()["growths"] > 0 and max(ref.count.values()) > 1
+
+
 def test_an_lru_table_counting_sightings_prunes_by_min_count():
     options = KVTableOptions(capacity=12 * WAYS, count_sightings=True)
     table, seen = _trained(options)
@@ -294,14 +313,12 @@ def test_memory_budget_and_planner_hold_the_counts(ttl):
     assert lfu.ttl is None  # an LFU table's scores count its sightings
 
 
-def test_count_sightings_with_a_lower_tier_or_growth_is_refused(tmp_path):
+def test_count_sightings_with_a_lower_tier_is_refused(tmp_path):
     # the error says what to do instead: an LFU table, whose scores count sightings
     with pytest.raises(ValueError, match="count_sightings with a lower tier .*EvictionPolicy.LFU"):
         KVTableOptions(capacity=64, count_sightings=True, ssd=SSDOptions(str(tmp_path)))
     with pytest.raises(ValueError, match="count_sightings with a lower tier .*EvictionPolicy.LFU"):
         KVTableOptions(capacity=64, count_sightings=True, host_tier=HostTierOptions())
-    with pytest.raises(ValueError, match="count_sightings with initial_capacity .*EvictionPolicy.LFU"):
-        KVTableOptions(capacity=64, initial_capacity=16, count_sightings=True)
     # what it points to: an LFU table over tiers counts, and prunes by min_count
     KVTableOptions(
         capacity=64, eviction=EvictionPolicy.LFU, count_sightings=True, host_tier=HostTierOptions()

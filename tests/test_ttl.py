@@ -31,6 +31,7 @@ from torchrec_kvemb.table import KVTable
 from torchrec_kvemb.ttl import LAST_SEEN_KEY
 
 BUCKETS = 2  # 32 rows: the stream's 64 ids overflow them (capacity eviction)
+POLICIES = [EvictionPolicy.LRU, EvictionPolicy.LFU, EvictionPolicy.NONE]
 STEPS = 13
 
 
@@ -163,9 +164,11 @@ def test_a_lone_table_frees_as_its_reference():
     assert ref.freed > 0 and table.metrics()["ttl_evictions"] == ref.freed
 
 
-def test_a_growing_lru_table_frees_as_its_reference():
-    # the reference grows too (TTL-free); whole sweeps, whatever the bucket count
-    options = replace(_options(EvictionPolicy.LRU, 1, 2, 99), initial_capacity=WAYS)
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
+def test_a_growing_table_frees_as_its_reference(policy):
+    # the reference grows too (TTL-free); whole sweeps, whatever the bucket count; a
+    # table that keeps last_seen moves it with the rows when it grows
+    options = replace(_options(policy, 1, 2, 99), initial_capacity=WAYS)
     table, ref = KVTable("t", 3, options), Reference(options)
     for s, batch in enumerate(_stream(9, 1), start=1):
         table.lookup_train(batch[0])
@@ -240,9 +243,6 @@ def _ebc(policy: EvictionPolicy) -> KVEmbeddingBagCollection:
 
 def _kjt(ids: torch.Tensor) -> KeyedJaggedTensor:
     return KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.ones_like(ids, dtype=torch.int32))
-
-
-POLICIES = [EvictionPolicy.LRU, EvictionPolicy.LFU, EvictionPolicy.NONE]
 
 
 def _train_on(saved, loaded, stream, first_step: int) -> None:
@@ -379,7 +379,7 @@ def test_bad_ttl_options_are_refused(ttl, message):
         TTLOptions(**ttl)
 
 
-def test_ttl_over_a_tier_of_another_policy_or_a_growing_lfu_table_is_refused(tmp_path):
+def test_ttl_over_a_tier_of_another_policy_is_refused(tmp_path):
     # tests/test_tiered_ttl.py: an LRU table's TTL over lower tiers
     with pytest.raises(ValueError, match="ttl with a lower tier .* needs eviction=LRU"):
         KVTableOptions(
@@ -387,13 +387,6 @@ def test_ttl_over_a_tier_of_another_policy_or_a_growing_lfu_table_is_refused(tmp
             eviction=EvictionPolicy.LFU,
             ttl=TTLOptions(steps=2),
             ssd=SSDOptions(str(tmp_path)),
-        )
-    with pytest.raises(ValueError, match="needs eviction=LRU"):
-        KVTableOptions(
-            capacity=64,
-            initial_capacity=16,
-            eviction=EvictionPolicy.LFU,
-            ttl=TTLOptions(steps=2),
         )
     with pytest.raises(TypeError, match="ttl must be a TTLOptions"):
         KVTableOptions(capacity=64, ttl=3)

@@ -296,12 +296,6 @@ class KVTableOptions:
                     "move with them; prune_export(min_count=...) reads them), or drop the "
                     "tier"
                 )
-            if self.initial_capacity is not None:
-                raise ValueError(
-                    "KVTableOptions: count_sightings with initial_capacity is not supported "
-                    "(the counts stay in the slots of the table before it grows); use "
-                    "eviction=EvictionPolicy.LFU, whose scores count them"
-                )
         if self.ttl is None:
             return
         if not isinstance(self.ttl, TTLOptions):
@@ -317,11 +311,6 @@ class KVTableOptions:
                 "KVTableOptions: ttl with an SSD tier needs SSDOptions(eviction=LRU), "
                 "whose index keeps the rows' last steps for the sweep; got "
                 f"{self.ssd.eviction.name}"
-            )
-        if self.initial_capacity is not None and self.eviction != EvictionPolicy.LRU:
-            raise ValueError(
-                f"KVTableOptions: ttl on a growing table (initial_capacity) needs "
-                f"eviction=LRU, whose scores are the rows' last steps; got {self.eviction.name}"
             )
 
     def __post_init__(self) -> None:

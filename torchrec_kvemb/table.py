@@ -531,6 +531,8 @@ class KVTable:
         storage.weights.index_copy_(0, moved, self.weights.index_select(0, slots))
         if self.state_dim:
             storage.state.index_copy_(0, moved, self.state.index_select(0, slots))
+        if self.ttl is not None:  # last steps and sightings move with their rows
+            self.ttl.rehashed(slots, moved, storage.weights.shape[0])
         self.use_rows(storage)
 
     def use_rows(self, storage: TableStorage) -> None:

@@ -203,6 +203,24 @@ class TableTTL:
         values = last_seen.to(self.table.device, torch.int64).clamp(max=self.table.step)
         self.last_seen.view(-1).index_copy_(0, slots[stored], values[stored])
 
+    def rehashed(self, old: torch.Tensor, new: torch.Tensor, rows: int) -> None:
+        """The table moved the rows at slots ``old`` to slots ``new`` of ``rows`` (a
+        growth, ``KVTable.rehash_into``): their last steps and sightings move with
+        them (after a load not yet settled, every entry takes the restored step
+        anyway: the arrays start anew at the new size)."""
+        if self._loaded:
+            self._last_seen = self._sightings = None
+            return
+        if self._last_seen is not None:
+            last = self._last_seen.new_zeros(rows)
+            last[new] = self._last_seen[old]
+            self._last_seen = last
+        if self._sightings is not None:
+            count, owner = self._sightings
+            moved = (count.new_zeros(rows), owner.new_full((rows,), -1))
+            moved[0][new], moved[1][new] = count[old], owner[old]
+            self._sightings = moved
+
     def arrays(self) -> list[torch.Tensor]:
         """The arrays this object allocates (its share of ``memory_bytes``):
         ``last_seen`` where kept, the counts and owners where counted."""
