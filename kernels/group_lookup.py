@@ -469,9 +469,8 @@ def group_lookup_train_triton(
     n = ids.numel()
     T = layout.num_tables
     i64 = dict(dtype=torch.int64, device=device)
-    if n == 0:
-        empty = torch.empty(0, **i64)
-        return GroupLookup(empty, empty, empty, empty)
+    if n == 0:  # four tensors: a registered op's outputs may not share storage
+        return GroupLookup(*(torch.empty(0, **i64) for _ in range(4)))
     ids = ids.contiguous()
     dim = weights.shape[1]
     state_dim = state.shape[1]
@@ -493,11 +492,13 @@ def group_lookup_train_triton(
     if custom_scores is not None:
         sorted_custom = custom_scores.index_select(0, order)
 
-    # 2. Find; admission counting. One buffer holds every per-lane array.
+    # 2. Find; admission counting. One buffer holds the per-lane arrays that are not
+    # returned (the returned ones get their own: an op's outputs share no storage).
     admission = layout.has_admission
-    lanes = torch.empty(8 if admission else 5, n, **i64).unbind(0)
-    unique_index, u_slot, u_value, u_kind, u_key = lanes[:5]
-    u_count, u_counter_key, u_counter_slot = lanes[5:] if admission else (u_key,) * 3
+    unique_index, u_slot = torch.empty(n, **i64), torch.empty(n, **i64)
+    lanes = torch.empty(6 if admission else 3, n, **i64).unbind(0)
+    u_value, u_kind, u_key = lanes[:3]
+    u_count, u_counter_key, u_counter_slot = lanes[3:] if admission else (u_key,) * 3
     group_find_kernel[(triton.cdiv(n, BLOCK_IDS),)](
         keys,
         scores,

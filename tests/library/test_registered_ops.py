@@ -233,6 +233,38 @@ def test_fake_kernel_describes_the_triton_kernel(name):
     _described(real, fake)
 
 
+def _storages(value) -> list[int]:
+    """The storages of every tensor in an op's output (nested tuples)."""
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        return [value.untyped_storage().data_ptr()] if value.numel() else []
+    return [p for v in value for p in _storages(v)]
+
+
+#: Where each lookup op takes its ids and their tables (an empty batch empties both).
+_BATCH_ARGS = {"lookup_train_group": (20, 21), "lookup_eval_group": (3, 4)}
+_ALIAS_CASES = [(n, False) for n in TRITON] + [(n, True) for n in sorted(_BATCH_ARGS)]
+
+
+@pytest.mark.parametrize(
+    ("name", "empty"), _ALIAS_CASES, ids=[n + ("-no-ids" if e else "") for n, e in _ALIAS_CASES]
+)
+def test_triton_kernel_outputs_alias_nothing(name, empty):
+    """A registered op's outputs may share no storage with each other or with its
+    inputs (torch refuses such an op at run time on the device): the Triton kernels
+    (interpreter, CPU tensors), on a batch and on a batch of no ids."""
+    args = [a.clone() if isinstance(a, torch.Tensor) else a for a in _args(name)]
+    if empty:
+        for i in _BATCH_ARGS[name]:
+            args[i] = args[i][:0]
+    out = library.cuda_kernel(name)(*args)
+    outputs = _storages(out)
+    assert len(outputs) == len(set(outputs)), f"{name}: two outputs share a storage"
+    inputs = set(_storages([a for a in args if isinstance(a, torch.Tensor)]))
+    assert not inputs & set(outputs), f"{name}: an output is an input's storage"
+
+
 def test_the_dispatcher_picks_the_kernel_by_device(monkeypatch):
     """CPU tensors run the op's CPU kernel (the native library); meta tensors its fake
     kernel (shapes only, nothing native runs)."""
