@@ -100,7 +100,9 @@ def _custom(ids: torch.Tensor) -> torch.Tensor:
     return ids * 2_654_435_761 % 1_009
 
 
-def _run_group(options: list[KVTableOptions], backend: str, monkeypatch, seed: int = 3) -> None:
+def _run_group(
+    options: list[KVTableOptions], backend: str, monkeypatch, seed: int = 3
+) -> KVTableGroup:
     """A group of TTL tables under ``backend`` against one reference per table (custom
     scores for CUSTOM_SCORE tables)."""
     custom = options[0].eviction == EvictionPolicy.CUSTOM_SCORE
@@ -120,6 +122,7 @@ def _run_group(options: list[KVTableOptions], backend: str, monkeypatch, seed: i
     assert sum(r.freed for r in refs) > 0, "the stream never expired a row"
     full = sum(t.metrics()["evictions"] + t.metrics()["insert_failures"] for t in group.tables)
     assert full > 0, "the tables never ran out of room"
+    return group
 
 
 def _options(policy: EvictionPolicy, admission: int, steps: int, sweep: int | None):
@@ -176,6 +179,15 @@ def test_a_growing_table_frees_as_its_reference(policy):
         assert set(table.export()["ids"].tolist()) == ref.held(), f"step {s}"
     assert table.metrics()["growths"] > 0 and ref.freed > 0
     assert table.metrics()["ttl_evictions"] == ref.freed
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_a_growing_group_frees_as_its_reference(monkeypatch, backend):
+    # two LFU tables of a group growing unequally: their last_seen moves with the rows
+    # when the group reallocates (whole sweeps)
+    options = replace(_options(EvictionPolicy.LFU, 1, 2, 99), initial_capacity=WAYS)
+    group = _run_group([options, replace(options, capacity=4 * WAYS)], backend, monkeypatch)
+    assert all(t.metrics()["growths"] > 0 for t in group.tables)
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["lone", "native_group"])
