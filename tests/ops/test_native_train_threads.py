@@ -1,8 +1,11 @@
 """The native training lookup gives the same bits on 1, 2 and 3 threads.
 
-``kv_lookup_train_group`` de-duplicates a batch in ranges of buckets, one
-range a thread (cut at table boundaries, or inside a table when one table
-holds most ids), then works part by part. Each scenario below runs a few
+``kv_lookup_train_group`` orders a batch by bucket and works part by part;
+where ids repeat it first de-duplicates them in ranges of buckets, one range
+a thread (cut at table boundaries, or inside a table when one table holds most
+ids). The scenarios take both ways: repeats from a few thousand ids
+(full buckets, admission) are de-duplicated first, a batch of 36k ids over
+60k (rows streamed) is ordered as it comes. Each scenario below runs a few
 batches large enough for three ranges (over 32k ids) through three copies of
 one group, with 1, 2 and 3 threads, and compares every output (slots, unique
 order and flags, counts, evictions, metrics) and every array after the
