@@ -58,14 +58,18 @@ def _options(sharder, topology, estimator_cls, constraints, **kwargs):
         estimator = KVStorageEstimator(topology, [sharder], constraints, **kwargs)
     else:
         estimator = estimator_cls(topology, constraints)
-    estimator.estimate(options, enumerator._sharder_data_map)
+    # The enumerator's sharders as its TorchRec version's estimators take them (a
+    # SharderDataMap since TorchRec 1.7, the sharders by name before).
+    sharders = getattr(enumerator, "_sharder_data_map", None) or enumerator._sharder_map
+    estimator.estimate(options, sharders)
     return {(o.name, o.sharding_type): o for o in options if o.name in OPTIONS}
 
 
-@pytest.mark.parametrize("device", ["cuda", "cpu"])
+@pytest.mark.parametrize("compute_device", ["cuda", "cpu"])
 @pytest.mark.parametrize("sharding", ["row_wise", "table_wise"])
-def test_each_shard_gets_its_lower_tiers_in_ddr_and_ssd(device, sharding):
-    topology = Topology(world_size=3, compute_device=device)
+def test_each_shard_gets_its_lower_tiers_in_ddr_and_ssd(compute_device, sharding):
+    """The planner's topology for either compute device (a plan, not a GPU run)."""
+    topology = Topology(world_size=3, compute_device=compute_device)
     constraints = {n: ParameterConstraints(sharding_types=[sharding]) for n in OPTIONS}
     sharder = KVEmbeddingBagCollectionSharder(OPTIONS, fused_params=ADAGRAD)
     stock = _options(sharder, topology, EmbeddingStorageEstimator, constraints)

@@ -164,7 +164,12 @@ def sharded_entries(
 
 
 def _device_of(layouts: list[TableLayout]) -> str:
+    """The device of this rank's tables, with its index (``cuda:0``, not ``cuda``: a
+    shard's placement must name the device its tensor is on)."""
     for layout in layouts:
         if layout.table is not None:
-            return str(layout.table.device)
+            device = torch.device(layout.table.device)
+            if device.type == "cuda" and device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            return str(device)
     return "cpu"
