@@ -2,6 +2,7 @@
 and each stream has the property it is named for (no timing asserts)."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ TINY = [
     "--tables", "2",
     "--batch", "16",
     "--bag", "3",
-    "--rows", "2000",
+    "--rows", "1000",
     "--dim", "8",
     "--steps", "1",
     "--repeats", "1",
@@ -28,7 +29,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[list, str]:
     out = tmp_path_factory.mktemp("matrix") / "matrix.md"
-    results = matrix.main([*TINY, "--profile", "--out", str(out)])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(matrix, "PROFILE_CALLS", 1)
+        results = matrix.main([*TINY, "--profile", "--out", str(out)])
     return results, out.read_text()
 
 
@@ -62,7 +65,7 @@ def test_streams_have_their_properties(report: tuple[list, str]) -> None:
         assert streams[name]["evicting_steps"] == matrix.CHECK_STEPS, name
     assert streams["zipf1.05"]["evictions_per_step"] == 0
     by_name = _by_name(report[0])
-    assert by_name["capacity"].config.rows == 200  # a tenth of --rows
+    assert by_name["capacity"].config.rows == 100  # a tenth of --rows
     assert by_name["capacity"].tbe_hashed and by_name["uniform100m"].tbe_hashed
     assert not by_name["zipf1.05"].tbe_hashed
 
@@ -155,7 +158,7 @@ def test_uniform_ids_cover_their_range() -> None:
 
 
 def test_locality_times_stock_eval_on_packed_and_scattered_ranks() -> None:
-    config = matrix.QUICK
+    config = replace(matrix.QUICK, rows=1000, batch=16)
     ms = breakdown.locality(config, calls_per_block=1, repeats=1)
     assert set(ms) == {"TBE scattered", "TBE packed", "EC scattered", "EC packed"}
     assert all(value > 0 for value in ms.values())

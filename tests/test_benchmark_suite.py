@@ -42,8 +42,9 @@ def test_quick_suite_writes_table_and_plots(tmp_path: Path) -> None:
 def test_quick_matrix_writes_report_rows_and_plots(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tiny = replace(ebc_train.QUICK, batch=16, bag=3, rows=2000, dim=8, steps=1, repeats=1)
+    tiny = replace(ebc_train.QUICK, batch=16, bag=3, rows=1000, dim=8, steps=1, repeats=1)
     monkeypatch.setattr(matrix, "QUICK", tiny)
+    monkeypatch.setattr(matrix, "PROFILE_CALLS", 1)
     rows = run.main(["--quick", "--only", "matrix", "--out-dir", str(tmp_path)])
     assert [r.what for r in rows] == [
         f"{name}: KV / TBE {mode}" for name in matrix.STREAMS for mode in ("train", "eval")
