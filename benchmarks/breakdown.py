@@ -20,6 +20,10 @@ Run from the repository root (the Zipf 1.05 stream of ``benchmarks.matrix``)::
     python -m benchmarks.breakdown --json out.json       # also keeps this run's figures
     python -m benchmarks.breakdown --locality            # also stock eval, packed vs scattered
     python -m benchmarks.breakdown --quick --plot /tmp/b.png
+
+The kept "before" run is this ``benchmarks/`` against an older package: copy
+``benchmarks/`` to a directory of its own and run it there with that package
+first on ``PYTHONPATH`` (docs/benchmarks.md gives the commands).
 """
 
 from __future__ import annotations
