@@ -24,7 +24,7 @@ lookup, pooled forward, fused backward, other), by Python function and by op.
 
 Run from the repository root::
 
-    python -m benchmarks.matrix                                  # about 2-3 min on 2 cores
+    python -m benchmarks.matrix                                  # minutes (docs/benchmarks.md)
     python -m benchmarks.matrix --profile --out docs/bench_matrix.md --plots docs/plots
     python -m benchmarks.matrix --streams zipf1.2,capacity --quick
 """
