@@ -4,8 +4,8 @@
 where ids repeat it first de-duplicates them in ranges of buckets, one range
 a thread (cut at table boundaries, or inside a table when one table holds most
 ids). The scenarios take both ways: repeats from a few thousand ids
-(full buckets, admission) are de-duplicated first, a batch of 36k ids over
-60k (rows streamed) is ordered as it comes. Each scenario below runs a few
+(most scenarios: ``random_batch`` repeats a few huge ids) are de-duplicated
+first; 36k distinct ids (rows streamed) are ordered as they come. Each scenario below runs a few
 batches large enough for three ranges (over 32k ids) through three copies of
 one group, with 1, 2 and 3 threads, and compares every output (slots, unique
 order and flags, counts, evictions, metrics) and every array after the
@@ -54,6 +54,7 @@ class Scenario:
     shuffle: bool = False  # tables interleaved in the batch, else table by table
     steps: int = 2
     against_torch: bool = False  # the 1-thread run checked by train_both
+    distinct: bool = False  # no id repeats within a table's batch
 
 
 SCENARIOS = {
@@ -79,6 +80,16 @@ SCENARIOS = {
         30_000,
         shuffle=True,
     ),
+    "admission-repeating-ids": Scenario(
+        (
+            Spec(16 * 60, LFU, threshold=2, seed=1),
+            Spec(16 * 40 + 3, CUSTOM, threshold=3, counter=300),
+            Spec(16 * 50, LRU, threshold=2, seed=4),
+        ),
+        (15013, 11003, 9001),
+        2500,
+        shuffle=True,
+    ),
     # Thousands of ids over tables of 39 to 80 rows: every bucket full, heavy duplicates.
     "full-buckets-heavy-duplicates": Scenario(
         (Spec(16 * 5, LRU), Spec(16 * 3, LFU, seed=1), Spec(16 * 2 + 7, CUSTOM, seed=2)),
@@ -92,6 +103,7 @@ SCENARIOS = {
         60_000,
         dim=8,
         against_torch=True,
+        distinct=True,
     ),
     "absent-table-odd-dim": Scenario(
         (Spec(16 * 400, LFU), Spec(16 * 30, LRU, seed=1), Spec(16 * 700, NONE, seed=2)),
@@ -110,6 +122,11 @@ def run_scenario(scenario: Scenario, threads: int, against_torch: bool):
     outputs = []
     for step in range(1, scenario.steps + 1):
         batch = random_batch(group, gen, list(scenario.sizes), id_range=scenario.id_range)
+        if scenario.distinct:
+            batch.ids = [
+                None if n is None else torch.randperm(scenario.id_range, generator=gen)[:n]
+                for n in scenario.sizes
+            ]
         order = torch.Generator().manual_seed(step) if scenario.shuffle else None
         if against_torch:
             out, _, _ = train_both(group, batch, threads, gen=order)
