@@ -452,7 +452,10 @@ def write_results(
     seconds: float,
     machine: str | None = None,
     filename: str = RESULTS_FILE,
+    reports: Sequence[str] = (),
 ) -> Path:
+    """The results markdown: the table, the machine, the command, links to the
+    detailed ``reports`` (file names in ``out_dir``) and the plots."""
     path = out_dir / filename
     path.parent.mkdir(parents=True, exist_ok=True)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -467,6 +470,8 @@ def write_results(
         "Ratio = KV's figure over the baseline's, from one run (systems take turns on "
         "the same inputs; compare ratios, not absolute figures, across machines).",
     ]
+    if reports:
+        lines += ["", "Detailed reports: " + ", ".join(f"[{r}]({r})" for r in reports) + "."]
     if plots:
         lines += ["", "## Plots", ""]
         lines += [f"![{p.stem}](plots/{p.name})" for p in plots]
@@ -530,7 +535,8 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
         from benchmarks import soak
 
         plots.append(Path(soak.plot(results["soak"], str(out_dir / "plots" / "soak.png"))))
-    path = write_results(rows, out_dir, command, plots, seconds)
+    reports = [MATRIX_FILE] if "matrix" in results else []
+    path = write_results(rows, out_dir, command, plots, seconds, reports=reports)
 
     print(f"\n=== summary ({seconds:.0f} s) ===")
     print(machine_summary())

@@ -58,6 +58,7 @@ def test_quick_matrix_writes_report_rows_and_plots(
 
     text = (tmp_path / run.RESULTS_FILE).read_text()
     assert len(_table_rows(text)) == len(rows)
+    assert f"[{run.MATRIX_FILE}]({run.MATRIX_FILE})" in text
     report = (tmp_path / run.MATRIX_FILE).read_text()
     assert "## Where the KV step's time goes: zipf1.05" in report
     for name in ("matrix.png", "step_breakdown.png"):
