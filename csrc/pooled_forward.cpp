@@ -119,9 +119,40 @@ KV_ALWAYS_INLINE void sum_bags_body(const Sums& s, int64_t b0, int64_t b1) {
   }
 }
 
+// Every id a bag of its own (no offsets): each id's row, read to float32, or
+// zeros, straight into its output row.
+template <class R, int64_t kDim>
+KV_ALWAYS_INLINE void copy_rows_body(const Sums& s, int64_t b0, int64_t b1) {
+  const KvPooledArgs& a = *s.a;
+  const int64_t dim = kDim ? kDim : a.dim;
+  const auto* weights = static_cast<const typename R::T*>(a.weights);
+  const int64_t* slots = s.slots - s.ids_begin;
+  for (int64_t i = b0; i < b1; ++i) {
+    if (i + kRowAhead < s.ids_end) prefetch_row<R>(a, slots[i + kRowAhead]);
+    if (a.out_offset && a.out_offset[i] < 0) continue;
+    float* dst = a.out + (a.out_offset ? a.out_offset[i] : i * dim);
+    const int64_t slot = slots[i];
+    if (slot >= a.num_rows) *s.status = std::max<int>(*s.status, KV_BAD_ARGUMENT);
+    if (slot < 0 || slot >= a.num_rows) {
+      for (int64_t j = 0; j < dim; ++j) dst[j] = 0.0f;
+      continue;
+    }
+    const typename R::T* row = weights + slot * dim;
+    for (int64_t j = 0; j < dim; ++j) dst[j] = R::at(row, j);
+  }
+}
+
 // One row width's sums, compiled for the dims kDims list (then any dim).
 template <class R, bool kWeighted>
 KV_ALWAYS_INLINE void sum_bags_any(const Sums& s, int64_t b0, int64_t b1) {
+  if (!kWeighted && !s.a->offsets) {
+    switch (s.a->dim) {
+      case 64:
+        return copy_rows_body<R, 64>(s, b0, b1);
+      default:
+        return copy_rows_body<R, 0>(s, b0, b1);
+    }
+  }
   switch (s.a->dim) {
     case 32:
       return sum_bags_body<R, kWeighted, 32>(s, b0, b1);
