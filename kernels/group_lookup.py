@@ -321,87 +321,93 @@ def group_insert_kernel(
             entry_value = tl.zeros([2 * WINDOW], dtype=tl.int64) + tl.load(step_ptr + table)
         else:
             entry_value = tl.load(u_value_ptr + u, mask=in_seg, other=0)
-        way = tl.where(is_stored, c, 0)
-        stored_key = tl.load(keys_ptr + row + way, mask=is_stored & live_c, other=-1)
-        stored_score = tl.load(scores_ptr + row + way, mask=is_stored & live_c, other=0)
-        occupied = is_stored & (stored_key >= 0)
-
-        # A stored entry hit by this batch is protected (with NONE, every stored one).
-        hit_here = (stored_key[:, None] == entry_id[None, :]) & is_hit[None, :]
-        protected = occupied & (tl.max(hit_here.to(tl.int32), axis=1) > 0)
-        if not COUNTER:
-            policy = tl.zeros([2 * WINDOW], dtype=tl.int64) + tl.load(policy_ptr + table)
-            protected = protected | (occupied & (policy == 3))
-
-        cand_key = tl.where(is_stored, stored_key, entry_id)
-        cand_score = tl.where(is_stored, stored_score, entry_value)
-        valid = occupied | is_new
-        # beats[a, b]: candidate b ranks above candidate a (protected first, score
-        # desc, new before stored, id asc); ids are unique among the candidates.
-        s_a = cand_score[:, None]
-        s_b = cand_score[None, :]
-        n_a = is_new[:, None]
-        n_b = is_new[None, :]
-        p_a = protected[:, None]
-        p_b = protected[None, :]
-        same_p = p_a == p_b
-        above = (p_b & ~p_a) | (same_p & (s_b > s_a))
-        tie = same_p & (s_b == s_a)
-        tiebreak = (n_b & ~n_a) | ((n_a == n_b) & (cand_key[None, :] < cand_key[:, None]))
-        beats = valid[None, :] & (above | (tie & tiebreak))
-        kept = valid & (tl.sum(beats.to(tl.int32), axis=1) < WAYS)
-        evicted = occupied & ~kept
-        won = is_new & kept
-
-        # Free ways (empty or just evicted) go to the winners in rank (= segment)
-        # order, lowest way first: winner r takes the free way whose free rank is r.
-        free = is_stored & (~occupied | evicted)
-        free_rank = tl.cumsum(free.to(tl.int32), axis=0) - 1
-        won_rank = tl.cumsum(won.to(tl.int32), axis=0) - 1
-        takes = free[None, :] & (free_rank[None, :] == won_rank[:, None])
-        target = tl.min(tl.where(takes, c[None, :], 2 * WINDOW), axis=1)
-        slot = row + tl.where(won, target, 0)
-
+        # A segment with nothing to place (only hits; with the counter, no hit leaving
+        # it either) changes nothing: skip the ranking, the bulk of a program's work.
+        work = tl.sum(is_new.to(tl.int32), axis=0)
         if COUNTER:
-            # Sightings: the batch's (a new entry starts at 0); admitted ids leave at once.
-            sightings = tl.load(u_count_ptr + u, mask=won, other=0)
-            admitted = kind == 6
-            tl.store(keys_ptr + slot, tl.where(admitted, -1, cand_key), mask=won)
-            tl.store(scores_ptr + slot, tl.where(admitted, 0, cand_score), mask=won)
-            tl.store(counts_ptr + slot, tl.where(admitted, 0, sightings), mask=won)
-            leaving = is_hit & (kind == 4)
-            c_slot = tl.load(u_counter_slot_ptr + u, mask=leaving, other=0)
-            tl.store(keys_ptr + c_slot, tl.full([2 * WINDOW], -1, tl.int64), mask=leaving)
-            tl.store(scores_ptr + c_slot, tl.zeros([2 * WINDOW], dtype=tl.int64), mask=leaving)
-            tl.store(counts_ptr + c_slot, tl.zeros([2 * WINDOW], dtype=tl.int64), mask=leaving)
-        else:
-            tl.store(keys_ptr + slot, cand_key, mask=won)
-            tl.store(scores_ptr + slot, cand_score, mask=won)
-            tl.store(u_slot_ptr + u, slot, mask=won)
-            # Counters: the winners were counted as insert failures by the find step.
-            inserts = tl.sum(won.to(tl.int64), axis=0)
-            evictions = tl.sum(evicted.to(tl.int64), axis=0)
-            counters = metrics_ptr + table * metrics_stride
-            tl.atomic_add(counters + INSERTS, inserts, mask=inserts > 0, sem="relaxed")
-            tl.atomic_add(counters + FAILURES, -inserts, mask=inserts > 0, sem="relaxed")
-            tl.atomic_add(counters + EVICTIONS, evictions, mask=evictions > 0, sem="relaxed")
-            # New rows: initial values (a pure function of id, seed, column), zero state.
-            per_row = tl.zeros([2 * WINDOW], dtype=tl.int64) + table
-            seed = tl.load(seed_mix_ptr + per_row)
-            normal = tl.load(init_normal_ptr + per_row)
-            a = tl.load(init_a_ptr + per_row)
-            b = tl.load(init_b_ptr + per_row)
-            for d0 in range(0, dim, BLOCK_D):
-                cols = d0 + tl.arange(0, BLOCK_D)
-                mask = won[:, None] & (cols < dim)[None, :]
-                rows = init_values_any(cand_key, cols, seed, normal, a, b)
-                rows = round_to(rows, weights_ptr.dtype.element_ty)
-                tl.store(weights_ptr + slot[:, None] * dim + cols[None, :], rows, mask=mask)
-            for d0 in range(0, state_dim, BLOCK_D):
-                cols = d0 + tl.arange(0, BLOCK_D)
-                mask = won[:, None] & (cols < state_dim)[None, :]
-                zero = tl.zeros([2 * WINDOW, BLOCK_D], dtype=tl.float32)
-                tl.store(state_ptr + slot[:, None] * state_dim + cols[None, :], zero, mask=mask)
+            work += tl.sum((is_hit & (kind == 4)).to(tl.int32), axis=0)
+        if work > 0:
+            way = tl.where(is_stored, c, 0)
+            stored_key = tl.load(keys_ptr + row + way, mask=is_stored & live_c, other=-1)
+            stored_score = tl.load(scores_ptr + row + way, mask=is_stored & live_c, other=0)
+            occupied = is_stored & (stored_key >= 0)
+
+            # A stored entry hit by this batch is protected (with NONE, every stored one).
+            hit_here = (stored_key[:, None] == entry_id[None, :]) & is_hit[None, :]
+            protected = occupied & (tl.max(hit_here.to(tl.int32), axis=1) > 0)
+            if not COUNTER:
+                policy = tl.zeros([2 * WINDOW], dtype=tl.int64) + tl.load(policy_ptr + table)
+                protected = protected | (occupied & (policy == 3))
+
+            cand_key = tl.where(is_stored, stored_key, entry_id)
+            cand_score = tl.where(is_stored, stored_score, entry_value)
+            valid = occupied | is_new
+            # beats[a, b]: candidate b ranks above candidate a (protected first, score
+            # desc, new before stored, id asc); ids are unique among the candidates.
+            s_a = cand_score[:, None]
+            s_b = cand_score[None, :]
+            n_a = is_new[:, None]
+            n_b = is_new[None, :]
+            p_a = protected[:, None]
+            p_b = protected[None, :]
+            same_p = p_a == p_b
+            above = (p_b & ~p_a) | (same_p & (s_b > s_a))
+            tie = same_p & (s_b == s_a)
+            tiebreak = (n_b & ~n_a) | ((n_a == n_b) & (cand_key[None, :] < cand_key[:, None]))
+            beats = valid[None, :] & (above | (tie & tiebreak))
+            kept = valid & (tl.sum(beats.to(tl.int32), axis=1) < WAYS)
+            evicted = occupied & ~kept
+            won = is_new & kept
+
+            # Free ways (empty or just evicted) go to the winners in rank (= segment)
+            # order, lowest way first: winner r takes the free way whose free rank is r.
+            free = is_stored & (~occupied | evicted)
+            free_rank = tl.cumsum(free.to(tl.int32), axis=0) - 1
+            won_rank = tl.cumsum(won.to(tl.int32), axis=0) - 1
+            takes = free[None, :] & (free_rank[None, :] == won_rank[:, None])
+            target = tl.min(tl.where(takes, c[None, :], 2 * WINDOW), axis=1)
+            slot = row + tl.where(won, target, 0)
+
+            if COUNTER:
+                # Sightings: the batch's (a new entry starts at 0); admitted ids leave at once.
+                sightings = tl.load(u_count_ptr + u, mask=won, other=0)
+                admitted = kind == 6
+                tl.store(keys_ptr + slot, tl.where(admitted, -1, cand_key), mask=won)
+                tl.store(scores_ptr + slot, tl.where(admitted, 0, cand_score), mask=won)
+                tl.store(counts_ptr + slot, tl.where(admitted, 0, sightings), mask=won)
+                leaving = is_hit & (kind == 4)
+                c_slot = tl.load(u_counter_slot_ptr + u, mask=leaving, other=0)
+                tl.store(keys_ptr + c_slot, tl.full([2 * WINDOW], -1, tl.int64), mask=leaving)
+                tl.store(scores_ptr + c_slot, tl.zeros([2 * WINDOW], dtype=tl.int64), mask=leaving)
+                tl.store(counts_ptr + c_slot, tl.zeros([2 * WINDOW], dtype=tl.int64), mask=leaving)
+            else:
+                tl.store(keys_ptr + slot, cand_key, mask=won)
+                tl.store(scores_ptr + slot, cand_score, mask=won)
+                tl.store(u_slot_ptr + u, slot, mask=won)
+                # Counters: the winners were counted as insert failures by the find step.
+                inserts = tl.sum(won.to(tl.int64), axis=0)
+                evictions = tl.sum(evicted.to(tl.int64), axis=0)
+                counters = metrics_ptr + table * metrics_stride
+                tl.atomic_add(counters + INSERTS, inserts, mask=inserts > 0, sem="relaxed")
+                tl.atomic_add(counters + FAILURES, -inserts, mask=inserts > 0, sem="relaxed")
+                tl.atomic_add(counters + EVICTIONS, evictions, mask=evictions > 0, sem="relaxed")
+                # New rows: initial values (a pure function of id, seed, column), zero state.
+                per_row = tl.zeros([2 * WINDOW], dtype=tl.int64) + table
+                seed = tl.load(seed_mix_ptr + per_row)
+                normal = tl.load(init_normal_ptr + per_row)
+                a = tl.load(init_a_ptr + per_row)
+                b = tl.load(init_b_ptr + per_row)
+                for d0 in range(0, dim, BLOCK_D):
+                    cols = d0 + tl.arange(0, BLOCK_D)
+                    mask = won[:, None] & (cols < dim)[None, :]
+                    rows = init_values_any(cand_key, cols, seed, normal, a, b)
+                    rows = round_to(rows, weights_ptr.dtype.element_ty)
+                    tl.store(weights_ptr + slot[:, None] * dim + cols[None, :], rows, mask=mask)
+                for d0 in range(0, state_dim, BLOCK_D):
+                    cols = d0 + tl.arange(0, BLOCK_D)
+                    mask = won[:, None] & (cols < state_dim)[None, :]
+                    zero = tl.zeros([2 * WINDOW, BLOCK_D], dtype=tl.float32)
+                    tl.store(state_ptr + slot[:, None] * state_dim + cols[None, :], zero, mask=mask)
 
 
 @triton.jit
