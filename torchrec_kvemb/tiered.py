@@ -56,6 +56,7 @@ from torchrec_kvemb.ssd.store import SSDStore, default_rank
 from torchrec_kvemb.table import KVTable, max_per_unique
 from torchrec_kvemb.tier import LowerTier
 from torchrec_kvemb.tiered_lookup import lookup_train_tiers
+from torchrec_kvemb.transfers import gather_down, scatter_up, upload
 from torchrec_kvemb.validation import check_ids
 
 
@@ -640,14 +641,9 @@ class TieredKVTable(KVTable, serves_ssd=True):
         if not bool(ok.all()):
             held, scores, rows = held[ok], scores[ok], rows[ok]
         found = miss[held.to(miss.device)]
-        # why non_blocking: a host tier under a CUDA table gathers into pinned memory,
-        # so the copy to the device runs without a pageable bounce buffer.
-        return (
-            found,
-            ssd_slots[held],
-            scores.to(self.device, non_blocking=rows.is_pinned()),
-            rows.to(self.device, non_blocking=rows.is_pinned()),
-        )
+        # A host tier under a CUDA table gathers into pinned memory: the copies to the
+        # device run on the transfers' side stream without a pageable bounce buffer.
+        return found, ssd_slots[held], upload(scores, self.device), upload(rows, self.device)
 
     def demote(
         self,
@@ -660,11 +656,19 @@ class TieredKVTable(KVTable, serves_ssd=True):
         ``reserve_batch``)."""
         if evicted_ids.numel() == 0:
             return
+        down = gather_down(self.weights, self.state, evicted_slots)
+        self.demote_rows(evicted_ids, memory_scores, down.rows())
+
+    def demote_rows(
+        self, evicted_ids: torch.Tensor, memory_scores: torch.Tensor, rows: torch.Tensor
+    ) -> None:
+        """Write rows evicted from memory, gathered already (``transfers.gather_down``:
+        host rows ``[n, dim + state_dim]``), with their in-memory scores, to the lower
+        tier (after ``reserve_batch``)."""
+        if evicted_ids.numel() == 0:
+            return
         memory_scores = memory_scores.cpu()
-        rows = self.rows_at(evicted_slots)
-        self._tier.put(
-            evicted_ids.cpu(), memory_scores, self._tier_scores(memory_scores), rows.cpu()
-        )
+        self._tier.put(evicted_ids.cpu(), memory_scores, self._tier_scores(memory_scores), rows)
         self.count("demotions", evicted_ids.numel())
 
     def promote(
@@ -673,7 +677,7 @@ class TieredKVTable(KVTable, serves_ssd=True):
         """Rows fetched from the lower tier (``fetch_lower``) take their new memory
         ``slots``, with their memory ``scores`` (None: the index holds them already,
         as after the native lookup)."""
-        self.set_rows(slots, rows)
+        scatter_up(self.weights, self.state, slots, rows)
         if scores is not None:
             self.index.set_scores(slots, scores)
         self.count("promotions", slots.numel())

@@ -54,6 +54,7 @@ from torchrec_kvemb.contracts import (
 from torchrec_kvemb.library.group_ops import workspace
 from torchrec_kvemb.ops import native
 from torchrec_kvemb.table import KVTable
+from torchrec_kvemb.transfers import gather_down, scatter_up
 
 _T = TypeVar("_T")
 
@@ -154,10 +155,6 @@ def lookup_train_tiers(
     flags = out.unique_flags
     unique_index = out.unique_index
     theirs = unique_index >= 0
-    promoted_occ = [0] * T
-    if flags.numel():
-        promoted = theirs & (flags[unique_index.clamp(min=0)] & native.UNIQUE_PROMOTED != 0)
-        promoted_occ = torch.bincount(table_idx[promoted], minlength=T).tolist()
     metrics = out.metrics.tolist()
     from_ssd = (flags & native.UNIQUE_PROMOTED) != 0
     new = (flags & native.UNIQUE_INSERTED) != 0
@@ -168,28 +165,63 @@ def lookup_train_tiers(
     if T > 1:
         starts = torch.tensor(list(row_offsets[1:]), dtype=torch.int64)
         ev_owner = torch.searchsorted(starts, out.evicted_slots, right=True)
+    # Down: every table's evicted rows leave by one gather of the group's arrays,
+    # before any of their slots is refilled (promoted and new rows).
+    down = None
+    if out.evicted_slots.numel():
+        down = gather_down(storage.weights, storage.state, out.evicted_slots)
+    # Up: the promoted uniques in (table, id) order are the rows of ``up_rows`` (the
+    # tiers' rows, table by table, ascending ids); those with a memory slot go up
+    # in one scatter, the others (no room) to scratch rows.
+    up_rows = fetched[0].rows if T == 1 else torch.cat([f.rows for f in fetched])
+    prom = from_ssd.nonzero().squeeze(1)
+    if prom.numel() != up_rows.shape[0]:
+        raise RuntimeError(
+            f"{prom.numel()} ids promoted by the kernel, {up_rows.shape[0]} held by the tiers"
+        )
+    row_of = None  # position in ``up_rows`` of each promoted unique
+    promoted_rows = [0] * T
+    if prom.numel():
+        prom = prom[torch.sort(out.unique_ids[prom], stable=True).indices]
+        if T > 1:
+            prom = prom[torch.sort(owner[prom], stable=True).indices]
+        row_of = torch.full((flags.numel(),), -1, dtype=torch.int64)
+        row_of[prom] = torch.arange(prom.numel())
+        up_slots = out.unique_slots[prom]
+        moved = up_slots >= 0
+        if bool(moved.all()):
+            scatter_up(storage.weights, storage.state, up_slots, up_rows)
+        else:
+            at = moved.nonzero().squeeze(1)
+            scatter_up(storage.weights, storage.state, up_slots[at], up_rows[at])
+        if T > 1:
+            promoted_rows = torch.bincount(owner[prom][moved], minlength=T).tolist()
+        else:
+            promoted_rows = [int(moved.sum())]
+    promoted_occ = [0] * T
+    if prom.numel():
+        promoted = theirs & (flags[unique_index.clamp(min=0)] & native.UNIQUE_PROMOTED != 0)
+        promoted_occ = torch.bincount(table_idx[promoted], minlength=T).tolist()
+    down_rows = down.rows() if down is not None else None
 
     def settle(t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Table ``t``'s rows after the kernel: counters, demotions, promoted and new
-        rows; its ids without a memory row ``(positions in the uniques, ids, rows)``
-        (None: none)."""
+        """Table ``t``'s share after the kernel and the transfers: counters, its
+        demoted rows to its tiers, new rows; its ids without a memory row
+        ``(positions in the uniques, ids, rows)`` (None: none)."""
         table, f, offset = tables[t], fetched[t], row_offsets[t]
-        mine = owner == t if T > 1 else torch.ones_like(from_ssd)
         for name, value in zip(METRIC_NAMES[:KERNEL_METRICS], metrics[t], strict=True):
             table.count(name, value)
         table.count("ssd_hits", promoted_occ[t])
         table.count("ssd_misses", metrics[t][1] - promoted_occ[t])
+        table.count("promotions", promoted_rows[t])
         table.tier.remove(f.ssd_slots)  # every promotion leaves the tier: memory or scratch
-        gone = (ev_owner == t).nonzero().squeeze(1) if ev_owner is not None else slice(None)
-        table.demote(
-            out.evicted_ids[gone], out.evicted_slots[gone] - offset, out.evicted_scores[gone]
-        )
-        moved = (mine & from_ssd & (out.unique_slots >= 0)).nonzero().squeeze(1)
-        at = torch.searchsorted(f.ids, out.unique_ids[moved])
-        table.promote(out.unique_slots[moved] - offset, f.rows[at])  # scores: the kernel's
-        fresh = (mine & new).nonzero().squeeze(1)
+        if down_rows is not None:
+            gone = (ev_owner == t).nonzero().squeeze(1) if ev_owner is not None else slice(None)
+            table.demote_rows(out.evicted_ids[gone], out.evicted_scores[gone], down_rows[gone])
+        mine = owner == t if T > 1 else None
+        fresh = (new if mine is None else mine & new).nonzero().squeeze(1)
         table.init_rows_at(out.unique_slots[fresh] - offset, out.unique_ids[fresh])
-        pad = (mine & no_room).nonzero().squeeze(1)
+        pad = (no_room if mine is None else mine & no_room).nonzero().squeeze(1)
         if pad.numel() == 0:
             return None
         pad = pad[torch.argsort(out.unique_ids[pad])]  # a pad share holds its ids sorted
@@ -197,7 +229,8 @@ def lookup_train_tiers(
         state = torch.zeros(pad.numel(), table.state_dim)
         pad_rows = torch.cat([table.initial_rows(pad_ids), state], dim=1)
         back = from_ssd[pad].nonzero().squeeze(1)
-        pad_rows[back] = f.rows[torch.searchsorted(f.ids, pad_ids[back])].to(pad_rows.dtype)
+        if back.numel():
+            pad_rows[back] = up_rows[row_of[pad[back]]].to(pad_rows.dtype)
         return pad, pad_ids, pad_rows
 
     any_pad = False

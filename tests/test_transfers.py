@@ -1,0 +1,183 @@
+"""Row transfers between a group of tables and their host tiers (``transfers.py``).
+
+Three tables of one dim over host tiers share their group's arrays: a training
+step moves the promoted rows of all three up in one scatter and their demoted
+rows down in one gather (spies count the calls), and the group trains as one
+all-in-memory collection does (outputs, and by id the rows, optimizer state and
+scores of every tier). The device twin runs the tiered group on the device
+under test (on CUDA: pinned host rows, copies on the side stream).
+"""
+
+import pytest
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from tests.device_support import ATOL, RTOL, assert_tables_equal, backend, kjt_to
+from torchrec_kvemb import (
+    EvictionPolicy,
+    HostTierOptions,
+    KVEmbeddingBagCollection,
+    KVTableOptions,
+    tiered_lookup,
+    transfers,
+)
+from torchrec_kvemb.backend import ENV_VAR
+from torchrec_kvemb.ops.hashing import index_bucket
+from torchrec_kvemb.options import WAYS
+from torchrec_kvemb.tiered import TieredKVTable
+
+DIM = 5
+TABLES = ("a", "b", "c")
+MEMORY_BUCKETS = 2
+STEPS = 5
+#: table -> (policy, host tier capacity: None grows; the others hold every id)
+POLICIES = {
+    "a": (EvictionPolicy.LRU, None),
+    "b": (EvictionPolicy.LFU, 16 * WAYS),
+    "c": (EvictionPolicy.LRU, 14 * WAYS),
+}
+FUSED = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.2}
+
+
+def _batches() -> list[KeyedJaggedTensor]:
+    gen = torch.Generator().manual_seed(29)
+    pool = torch.randperm(40_000, generator=gen)[:211] * 5_003 + 2**40
+    crowded = pool[index_bucket(pool, MEMORY_BUCKETS) == 0][:23]  # > 16 of a batch
+    out = []
+    for _ in range(STEPS):
+        values, lengths = [], []
+        for _ in TABLES:
+            ids = torch.cat(
+                [
+                    crowded[torch.randperm(crowded.numel(), generator=gen)[:19]],
+                    pool[torch.randint(0, pool.numel(), (31,), generator=gen)],
+                ]
+            )
+            values.append(ids)
+            lengths.append(torch.tensor([10, 0, 17, 23]))
+        out.append(
+            KeyedJaggedTensor.from_lengths_sync(
+                keys=[f"f{t}" for t in TABLES],
+                values=torch.cat(values),
+                lengths=torch.cat(lengths),
+            )
+        )
+    return out
+
+
+def _ebc(all_in_memory: bool, device=None) -> KVEmbeddingBagCollection:
+    configs = [
+        EmbeddingBagConfig(name=t, embedding_dim=DIM, num_embeddings=2**50, feature_names=[f"f{t}"])
+        for t in TABLES
+    ]
+    options = {}
+    for t in TABLES:
+        policy, host_rows = POLICIES[t]
+        common = dict(eviction=policy, init_low=-0.1, init_high=0.1, seed=7)
+        if all_in_memory:
+            options[t] = KVTableOptions(capacity=64 * WAYS, **common)
+        else:
+            host = policy if policy == EvictionPolicy.LFU else EvictionPolicy.LRU
+            options[t] = KVTableOptions(
+                capacity=MEMORY_BUCKETS * WAYS,
+                host_tier=HostTierOptions(capacity=host_rows, eviction=host),
+                **common,
+            )
+    return KVEmbeddingBagCollection(configs, options, device=device, fused_params=FUSED)
+
+
+def _spy(monkeypatch, owner, name: str, calls: dict) -> None:
+    real = getattr(owner, name)
+
+    def spy(*args, **kwargs):
+        calls[name] = calls.get(name, 0) + 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, spy)
+
+
+def test_a_group_moves_its_rows_in_one_gather_and_one_scatter(monkeypatch):
+    """Native kernels: per step one gather down and one scatter up for the three
+    tables (none per table), and the rows of every tier equal all in memory's."""
+    monkeypatch.setenv(ENV_VAR, "auto")
+    tiered, full = _ebc(False), _ebc(True)
+    arrays = {tiered.table(t).weights.untyped_storage().data_ptr() for t in TABLES}
+    assert len(arrays) == 1, "the three tables share their group's arrays"
+    calls: dict = {}
+    for name in ("gather_down", "scatter_up"):
+        _spy(monkeypatch, tiered_lookup, name, calls)
+    for name in ("demote", "promote", "set_rows", "rows_at"):  # a table's own transfers
+        _spy(monkeypatch, TieredKVTable, name, calls)
+    gen = torch.Generator().manual_seed(2)
+    for step, kjt in enumerate(_batches()):
+        before = {t: tiered.table(t).metrics() for t in TABLES}
+        calls.clear()
+        got, want = tiered(kjt).values(), full(kjt).values()
+        assert calls == {"gather_down": 1, "scatter_up": 1} or step == 0, (step, calls)
+        moved = {
+            t: {k: tiered.table(t).metrics()[k] - before[t][k] for k in ("promotions", "demotions")}
+            for t in TABLES
+        }
+        if step > 0:  # the counts above stand for rows of at least two tables each way
+            assert sum(m["promotions"] > 0 for m in moved.values()) >= 2, (step, moved)
+            assert sum(m["demotions"] > 0 for m in moved.values()) >= 2, (step, moved)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        grad = torch.randn(want.shape, generator=gen)
+        (got * grad).sum().backward()
+        (want * grad).sum().backward()
+        for t in TABLES:
+            got_rows, want_rows = tiered.table(t).export(), full.table(t).export()
+            assert torch.equal(got_rows["ids"], want_rows["ids"]), f"step {step} {t}"
+            assert torch.equal(got_rows["scores"], want_rows["scores"]), f"step {step} {t}"
+            for key in got_rows.keys() - {"ids", "scores"}:
+                torch.testing.assert_close(got_rows[key], want_rows[key], rtol=1e-6, atol=1e-7)
+    for t in TABLES:
+        m = tiered.table(t).metrics()
+        assert m["host_reads"] > 0 and m["host_writes"] > 0 and m["scratch_rows"] > 0, (t, m)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+def test_gather_down_and_scatter_up_equal_index_ops(dtype):
+    """Odd sizes: the gather gives ``index_select`` of weights and state side by
+    side as float32; the scatter writes them back as ``index_copy_`` does."""
+    gen = torch.Generator().manual_seed(4)
+    weights = torch.randn(37, 7, generator=gen).to(dtype)
+    state = torch.randn(37, 2, generator=gen)
+    slots = torch.tensor([36, 0, 11, 5, 29])
+    rows = transfers.gather_down(weights, state, slots).rows()
+    want = torch.cat([weights[slots].float(), state[slots]], dim=1)
+    assert torch.equal(rows, want)
+    new_w, new_s = torch.zeros_like(weights), torch.zeros_like(state)
+    transfers.scatter_up(new_w, new_s, slots, rows)
+    assert torch.equal(new_w[slots], weights[slots]) and torch.equal(new_s[slots], state[slots])
+    untouched = torch.ones(37, dtype=torch.bool)
+    untouched[slots] = False
+    assert not new_w[untouched].any() and not new_s[untouched].any()
+
+
+def test_a_tiered_group_on_the_device(device):
+    """The group of three tables over host tiers on the device under test (its
+    default backend; on CUDA pinned host rows, transfers on the side stream)
+    against the all-in-memory collection on the CPU torch path."""
+    with backend("auto"):
+        tiered = _ebc(False, device=device)
+    with backend("torch"):
+        full = _ebc(True)
+    for step, kjt in enumerate(_batches()):
+        grad = torch.randn(4, 3 * DIM, generator=torch.Generator().manual_seed(step))
+        with backend("auto"):
+            got = tiered(kjt_to(kjt, device)).values()
+            (got * grad.to(device)).sum().backward()
+        with backend("torch"):
+            want = full(kjt).values()
+            (want * grad).sum().backward()
+        torch.testing.assert_close(got.cpu(), want, rtol=RTOL, atol=ATOL)
+        for t in TABLES:
+            got_rows = tiered.table(t).export()
+            assert_tables_equal(f"step {step} {t}", got_rows, full.table(t).export())
+    for t in TABLES:
+        m = tiered.table(t).metrics()
+        assert m["promotions"] > 0 and m["demotions"] > 0, (t, m)
+        assert tiered.table(t).tier.pinned == (device.type == "cuda")
