@@ -199,9 +199,9 @@ typedef struct KvBackwardArgs {
 
 int kv_fused_backward_group(const KvBackwardArgs* args);
 
-// Pooled forward of a group by slot (kv_pooled_forward), or, with no slots,
-// the fused eval lookup: the group index probed and the found rows pooled in
-// one pass (kv_pooled_forward with keys). Rows of weights_dtype are read to
+// Pooled forward of a group by slot (kv_pooled_forward), or, given keys, the
+// fused eval lookup: the group index probed and the found rows pooled in one
+// pass. Rows of weights_dtype are read to
 // float32. Bag b (ids [offsets[b], offsets[b + 1])) is the sum in id order of
 // its ids' rows times their multiplier: scale[i]; else per_sample_weights[i]
 // (1 without) divided by the bag's length (at least 1) where mean_of_bag[b];
@@ -224,9 +224,10 @@ typedef struct KvPooledArgs {
   const int64_t* table_of_bag;  // [num_bags], -1: not the group's bag
   const int64_t* table_idx;     // [n], -1: not the group's id
   int64_t num_tables;
-  // Slots of the ids [n] (-1: no row); null: probe the index below (eval).
+  // Slots of the ids [n] (-1: no row), read without keys; with keys, the
+  // index below is probed instead (eval).
   const int64_t* slots;
-  const int64_t* keys;  // [num_buckets_total, 16]
+  const int64_t* keys;  // [num_buckets_total, 16] or null
   int64_t num_buckets_total;
   const int64_t* bucket_offset;  // [T]
   const int64_t* num_buckets;    // [T]

@@ -216,7 +216,7 @@ struct Worker {
 
 int check_args(const KvPooledArgs& a) {
   const int64_t B = a.num_bags, n = a.n, dim = a.dim;
-  if (B < 0 || n < 0 || dim < 0 || a.num_rows < 0 || a.num_tables < 0 || !a.out) {
+  if (B < 0 || n < 0 || dim < 0 || a.num_rows < 0 || a.num_tables < 0) {
     return KV_BAD_ARGUMENT;
   }
   if (a.offsets) {
@@ -235,7 +235,8 @@ int check_args(const KvPooledArgs& a) {
   } else if (B * dim > a.out_numel) {
     return KV_BAD_ARGUMENT;
   }
-  if (!a.slots && (!a.keys || !a.ids)) return KV_BAD_ARGUMENT;
+  // (An empty tensor's pointer may be null: only what n ids need is required.)
+  if (n > 0 && (a.keys ? !a.ids : !a.slots)) return KV_BAD_ARGUMENT;
   return KV_OK;
 }
 
@@ -251,14 +252,15 @@ extern "C" int kv_pooled_forward(const KvPooledArgs* args) {
   const bool weighted = a.scale || a.per_sample_weights || a.mean_of_bag;
   const SumBags sum_bags = sum_bags_of(a.weights_dtype, weighted);
   if (!sum_bags) return KV_BAD_ARGUMENT;
+  const bool probe = a.keys != nullptr;
   GroupIndex index;
-  if (!a.slots &&
+  if (probe &&
       index.init(a.keys, a.num_buckets_total, a.bucket_offset, a.num_buckets, T) != KV_OK) {
     return KV_BAD_ARGUMENT;
   }
   const int64_t B = a.num_bags, n = a.n;
   const bool tables = a.table_of_bag || a.table_idx;
-  const bool count = a.seen || a.missing || !a.slots;  // per-id tables needed
+  const bool count = a.seen || a.missing || probe;  // per-id tables needed
 
   // Tasks: consecutive bags, about n / tasks ids each.
   const int64_t tasks = std::max<int64_t>(1, (n + kIdsPerTask - 1) / kIdsPerTask);
@@ -308,8 +310,8 @@ extern "C" int kv_pooled_forward(const KvPooledArgs* args) {
         }
       }
     }
-    const int64_t* slots = a.slots ? a.slots + i0 : nullptr;
-    if (!slots && m > 0) {
+    const int64_t* slots = probe ? nullptr : a.slots + i0;
+    if (probe && m > 0) {
       if (static_cast<int64_t>(w.slots.size()) < m) w.slots.resize(static_cast<size_t>(m));
       probe_pipelined(index, a.ids + i0, table, m, w.slots.data(), w.hits.data(), &w.status);
       slots = w.slots.data();

@@ -12,6 +12,8 @@ weighted and MEAN bags; empty bags, missing ids, ids of no table of the group;
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
@@ -19,10 +21,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvemb import KVEmbeddingBagCollection, KVTableOptions
 from torchrec_kvemb.backend import ENV_VAR
+from torchrec_kvemb.bag_lookup import BagTable, KVBagLookup
 from torchrec_kvemb.contracts import Bags
 from torchrec_kvemb.group import KVTableGroup
 from torchrec_kvemb.ops import native
 from torchrec_kvemb.ops.pooled_lookup import group_pooled_forward_torch, group_rows_forward_torch
+from torchrec_kvemb.optimizer import FusedOptimConfig
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native library not built")
 
@@ -195,3 +199,37 @@ def test_collection_forward_is_the_torch_path(dtype, pooling, weighted, monkeypa
         for step, (g, w) in enumerate(zip(got[0], want[0], strict=True)):
             assert torch.equal(g, w), (key, step, (g - w).abs().max())
         assert got[1] == want[1], key
+
+
+def _lookup_eval(backend: str, kjt: KeyedJaggedTensor, monkeypatch) -> torch.Tensor:
+    monkeypatch.setenv(ENV_VAR, backend)
+    options = KVTableOptions(capacity=64, init_low=-1.0, init_high=1.0)
+    lookup = KVBagLookup(
+        [BagTable("a", 4, ("x", "y")), BagTable("b", 3, ("z",), mean=True)],
+        {"a": options, "b": replace(options, capacity=32)},
+        FusedOptimConfig(),
+    )
+    vbe = kjt.variable_stride_per_key()
+    lookup.pooled(kjt, training=True, variable_batch=vbe).sum().backward()
+    return lookup.pooled(kjt, training=False, variable_batch=vbe)
+
+
+@pytest.mark.parametrize("case", ["variable-batch", "no-ids"])
+def test_lookup_eval_of_variable_batches_and_empty_bags_is_the_torch_path(case, monkeypatch):
+    """A batch size per feature and rank (VBE: the groups' ``[B, dim]`` put in VBE
+    order) and a batch whose every bag is empty (zeros) give the torch path's bytes."""
+    gen = torch.Generator().manual_seed(0)
+    if case == "variable-batch":
+        per_rank = [[2, 3], [1, 2], [3, 1]]
+        lengths = torch.randint(0, 4, (sum(map(sum, per_rank)),), generator=gen)
+        values = torch.randint(0, 50, (int(lengths.sum()),), generator=gen)
+        kjt = KeyedJaggedTensor(
+            keys=["x", "y", "z"], values=values, lengths=lengths, stride_per_key_per_rank=per_rank
+        )
+    else:
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=["x", "y", "z"], values=torch.empty(0, dtype=torch.int64),
+            lengths=torch.zeros(15, dtype=torch.int64),
+        )  # fmt: skip
+    got = _lookup_eval("auto", kjt, monkeypatch)
+    assert torch.equal(got, _lookup_eval("torch", kjt, monkeypatch))
