@@ -1,19 +1,16 @@
 // Training lookup of a group of KV tables: KVTable.lookup_train for T
 // memory-only tables at once, on raw ids with duplicates.
 //
-// Phases, results independent of the number of threads:
-//  0. de-duplicate: the occurrences' (bucket, id) keys by a scratch hash
-//     table (dedup.h), each thread owning a range of buckets; then the
-//     uniques ordered by bucket in parts of buckets (bucket_order.h). The
-//     later phases run part by part.
-//  1. collect: per bucket, the uniques in output order (the stored ids by
-//     way, then the new ids by id). Tables without admission settle the
-//     bucket at once (insert rule, new rows).
+// Phases, each parallel over parts of buckets (bucket_order.h), so results
+// do not depend on the number of threads:
+//  1. collect: occurrences ordered by bucket; per bucket, a stored id's way
+//     is its de-duplication key, new ids are de-duplicated by sorting. Tables
+//     without admission settle the bucket at once (insert rule, new rows).
 //  2. admit: ids of admission tables not stored are counted in the counter
 //     index, bucket by counter bucket (KVTable._admit).
 //  3. settle the buckets of admission tables: stored and admitted ids compete.
-//  4. gather: uniques and evictions of each part into the outputs; then
-//     every occurrence gets its slot and unique index through its key's.
+//  4. gather: uniques and evictions of each part into the outputs; every
+//     occurrence gets its slot and unique index.
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -23,7 +20,6 @@
 
 #include "bucket.h"
 #include "bucket_order.h"
-#include "dedup.h"
 #include "hashing.h"
 #include "kvemb_native.h"
 #include "parallel.h"
@@ -92,7 +88,7 @@ struct TableInfo {
 
 // One worker's scratch, reused bucket after bucket.
 struct Worker {
-  std::vector<std::pair<int64_t, int64_t>> misses;  // (id, key index)
+  std::vector<std::pair<int64_t, int64_t>> misses;  // (id, position in the order)
   std::vector<NewId> new_ids;
   std::vector<int> way_of;  // counter phase: per waiting id, see count_bucket
   std::vector<float> row;   // a new row before it is streamed out
@@ -125,8 +121,7 @@ void ensure(bool ok) {
 
 class TrainLookup {
  public:
-  TrainLookup(const KvTrainArgs& args, Arena& arena, DedupSlots& dedup)
-      : a_(args), arena_(arena), dedup_slots_(dedup) {}
+  TrainLookup(const KvTrainArgs& args, Arena& arena) : a_(args), arena_(arena) {}
 
   int run() {
     std::fill(a_.metrics, a_.metrics + a_.num_tables * KV_NUM_METRICS, 0);
@@ -134,13 +129,7 @@ class TrainLookup {
     try {
       if (const int status = read_tables(); status != KV_OK) return status;
       if (const int status = hash_occurrences(); status != KV_OK) return status;
-      by_key_ = worth_deduplicating();
-      if (by_key_) {
-        deduplicate();
-        order_by_bucket(k_bucket_, k_id_, key_slots_, a_.num_buckets_total, threads_, arena_, &occ_);
-      } else {
-        order_by_bucket(bucket_, a_.ids, a_.n, a_.num_buckets_total, threads_, arena_, &occ_);
-      }
+      order_by_bucket(bucket_, a_.ids, a_.n, a_.num_buckets_total, threads_, arena_, &occ_);
       allocate();
       const int64_t parts = occ_.parts;
       ensure(parallel_for(parts, threads_, [&](int64_t p, int64_t w) { collect_part(p, w); }));
@@ -149,7 +138,6 @@ class TrainLookup {
         ensure(parallel_for(parts, threads_, [&](int64_t p, int64_t w) { settle_admission(p, w); }));
       }
       gather();
-      if (by_key_) map_occurrences();
     } catch (const std::bad_alloc&) {
       return KV_OUT_OF_MEMORY;
     }
@@ -232,7 +220,6 @@ class TrainLookup {
     bucket_ = arena_.take<int64_t>(n);
     constexpr int64_t kPerTask = 1 << 14;
     std::vector<int> status(static_cast<size_t>(threads_), KV_OK);
-    std::vector<int64_t> counts(static_cast<size_t>(threads_ * T), 0);
     ensure(parallel_for((n + kPerTask - 1) / kPerTask, threads_, [&](int64_t task, int64_t w) {
       for (int64_t i = task * kPerTask, end = std::min(n, i + kPerTask); i < end; ++i) {
         const int64_t t = a_.table_idx[i], id = a_.ids[i];
@@ -246,199 +233,10 @@ class TrainLookup {
           status[w] = std::max<int>(status[w], KV_NEGATIVE_ID);
         } else {
           bucket_[i] = tables_[t].bucket_offset + index_bucket(id, tables_[t].mod);
-          ++counts[w * T + t];
         }
       }
     }));
-    table_count_.assign(static_cast<size_t>(T), 0);
-    for (int64_t w = 0; w < threads_; ++w) {
-      for (int64_t t = 0; t < T; ++t) table_count_[t] += counts[w * T + t];
-    }
     return *std::max_element(status.begin(), status.end());
-  }
-
-  // ------------------------------------------------------ 0. de-duplicate
-  // Whether to de-duplicate before ordering by bucket: when at least 1 in 16
-  // of an even sample of the occurrences repeats a sampled key (why: on 327k
-  // ids in 4 tables of 1M rows, one thread, de-duplicating first took 7-8 %
-  // less CPU time on Zipf 1.05 ids, 10-12 % less on Zipf 1.2, and 26-34 %
-  // more on ids uniform over 100M, where nothing repeats).
-  bool worth_deduplicating() const {
-    constexpr int64_t kSample = 4096, kEntries = 2 * kSample;
-    const int64_t n = a_.n, stride = std::max<int64_t>(1, n / kSample);
-    std::vector<std::pair<int64_t, int64_t>> seen(kEntries, {-1, 0});  // (bucket, id)
-    int64_t sampled = 0, repeats = 0;
-    for (int64_t i = 0; i < n && sampled < kSample; i += stride) {
-      const int64_t b = bucket_[i];
-      if (b < 0) continue;
-      ++sampled;
-      for (uint64_t h = dedup_home(a_.ids[i], b, 13);; h = (h + 1) & (kEntries - 1)) {
-        if (seen[h].first < 0) {
-          seen[h] = {b, a_.ids[i]};
-          break;
-        }
-        if (seen[h].first == b && seen[h].second == a_.ids[i]) {
-          ++repeats;
-          break;
-        }
-      }
-    }
-    return repeats * 16 >= sampled && repeats > 0;
-  }
-
-  // The keys (bucket, id) of the occurrences: key k of range r at
-  // [key_base[r], + keys found) with its id, bucket, count and custom max;
-  // key_of_[i] the key of occurrence i. Range r is the buckets
-  // [range_lo[r], range_lo[r + 1]), de-duplicated by one thread in a scratch
-  // table of its own. A key's index depends on the ranges, hence on the
-  // thread count; no output does (collect orders each bucket's keys itself).
-  void deduplicate() {
-    const int64_t n = a_.n;
-    const int64_t ranges = worker_count(n / kMinRange + 1, threads_);
-    const std::vector<int64_t> lo = range_bounds(ranges);
-    auto range_of = [&](int64_t b) {
-      int64_t r = 0;
-      while (r + 1 < ranges && b >= lo[r + 1]) ++r;
-      return r;
-    };
-    // Occurrences per range and the span of their indices, per slice.
-    const int64_t slices = ranges;
-    std::vector<int64_t> count(static_cast<size_t>(slices * ranges), 0);
-    std::vector<int64_t> first(static_cast<size_t>(slices * ranges), n);
-    std::vector<int64_t> last(static_cast<size_t>(slices * ranges), -1);
-    ensure(parallel_for(slices, threads_, [&](int64_t s, int64_t) {
-      int64_t* c = count.data() + s * ranges;
-      int64_t* f = first.data() + s * ranges;
-      int64_t* l = last.data() + s * ranges;
-      for (int64_t i = slice_begin(n, slices, s), e = slice_begin(n, slices, s + 1); i < e; ++i) {
-        if (bucket_[i] < 0) continue;
-        const int64_t r = range_of(bucket_[i]);
-        ++c[r];
-        f[r] = std::min(f[r], i);
-        l[r] = i;
-      }
-    }));
-    std::vector<int64_t> key_base(static_cast<size_t>(ranges) + 1, 0);
-    std::vector<int64_t> entry_base(static_cast<size_t>(ranges) + 1, 0);
-    std::vector<int> bits(static_cast<size_t>(ranges));
-    std::vector<int64_t> span_begin(static_cast<size_t>(ranges), n);
-    std::vector<int64_t> span_end(static_cast<size_t>(ranges), 0);
-    for (int64_t r = 0; r < ranges; ++r) {
-      int64_t occurrences = 0;
-      for (int64_t s = 0; s < slices; ++s) {
-        occurrences += count[s * ranges + r];
-        span_begin[r] = std::min(span_begin[r], first[s * ranges + r]);
-        span_end[r] = std::max(span_end[r], last[s * ranges + r] + 1);
-      }
-      key_base[r + 1] = key_base[r] + occurrences;
-      // At least 1.5 entries an occurrence: linear probes stay short (load
-      // at most 2/3) in fewer bytes than 2 entries would take.
-      int b = 4;
-      while ((int64_t{1} << b) < occurrences + occurrences / 2) ++b;
-      bits[r] = b;
-      entry_base[r + 1] = entry_base[r] + (int64_t{1} << b);
-    }
-    key_slots_ = key_base[ranges];
-    uint64_t tag = 0;
-    DedupEntry* entries = dedup_slots_.take(entry_base[ranges], &tag);
-    key_of_ = arena_.take<int64_t>(n);
-    k_id_ = arena_.take<int64_t>(n);
-    k_bucket_ = arena_.take<int64_t>(n);
-    k_count_ = arena_.take<int64_t>(n);
-    k_top_ = arena_.take<int64_t>(n);
-    ensure(parallel_for(ranges, threads_, [&](int64_t r, int64_t) {
-      const int64_t found = dedup_range(lo[r], lo[r + 1], span_begin[r], span_end[r],
-                                        entries + entry_base[r], bits[r], tag, key_base[r]);
-      std::fill(k_bucket_ + key_base[r] + found, k_bucket_ + key_base[r + 1], int64_t{-1});
-    }));
-  }
-
-  // Bucket bounds of ``ranges`` ranges holding about as many occurrences each
-  // (a table's occurrences are spread evenly over its buckets by the hash).
-  std::vector<int64_t> range_bounds(int64_t ranges) const {
-    std::vector<int64_t> lo(static_cast<size_t>(ranges) + 1, 0);
-    lo[ranges] = a_.num_buckets_total;
-    if (ranges == 1) return lo;
-    std::vector<int64_t> order(tables_.size());
-    for (size_t t = 0; t < order.size(); ++t) order[t] = static_cast<int64_t>(t);
-    std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-      return tables_[x].bucket_offset < tables_[y].bucket_offset;
-    });
-    int64_t total = 0;
-    for (const int64_t c : table_count_) total += c;
-    int64_t before = 0;
-    size_t at = 0;
-    for (int64_t r = 1; r < ranges; ++r) {
-      const int64_t target = static_cast<int64_t>(static_cast<__int128>(total) * r / ranges);
-      while (at < order.size() && before + table_count_[order[at]] <= target) {
-        before += table_count_[order[at++]];
-      }
-      if (at == order.size()) {
-        lo[r] = a_.num_buckets_total;
-        continue;
-      }
-      // A table boundary within half a range's share of the target: there
-      // (why: a table cut in two is read by both threads, each skipping
-      // the other's half; tables are usually contiguous in the batch).
-      const int64_t t = order[at], share = total / ranges;
-      const int64_t after = before + table_count_[t];
-      if (target - before <= share / 2 && tables_[t].bucket_offset > lo[r - 1]) {
-        lo[r] = tables_[t].bucket_offset;
-      } else if (after - target <= share / 2 && at + 1 < order.size()) {
-        lo[r] = tables_[order[at + 1]].bucket_offset;
-      } else {
-        const int64_t into = static_cast<int64_t>(static_cast<__int128>(target - before) *
-                                                  a_.num_buckets[t] / table_count_[t]);
-        lo[r] = tables_[t].bucket_offset + into;
-      }
-      lo[r] = std::max(lo[r], lo[r - 1]);
-    }
-    return lo;
-  }
-
-  // De-duplicates the occurrences with a bucket in [b_lo, b_hi) into the keys
-  // from ``base`` on; returns how many keys it found.
-  int64_t dedup_range(int64_t b_lo, int64_t b_hi, int64_t i_begin, int64_t i_end,
-                      DedupEntry* entries, int bits, uint64_t tag, int64_t base) {
-    const int64_t n = i_end;
-    const int64_t* ids = a_.ids;
-    const int64_t* custom = a_.custom_scores;
-    const uint64_t mask = (uint64_t{1} << bits) - 1;
-    // why 16 ahead: the entries (2**19 of 16 bytes for 327k ids) miss L2.
-    constexpr int64_t kAhead = 16;
-    int64_t found = 0;
-    for (int64_t i = i_begin; i < n; ++i) {
-      if (i + kAhead < n) {
-        const int64_t b = bucket_[i + kAhead];
-        if (b >= b_lo && b < b_hi) __builtin_prefetch(entries + dedup_home(ids[i + kAhead], b, bits));
-      }
-      const int64_t b = bucket_[i];
-      if (b < b_lo || b >= b_hi) continue;
-      const int64_t id = ids[i];
-      int64_t k;
-      for (uint64_t h = dedup_home(id, b, bits);; h = (h + 1) & mask) {
-        DedupEntry& e = entries[h];
-        if ((e.tag_uid & ~kUidMask) != tag) {  // not this call's: a new key
-          e.id = id;
-          e.tag_uid = tag | static_cast<uint64_t>(found);
-          k = base + found++;
-          k_id_[k] = id;
-          k_bucket_[k] = b;
-          k_count_[k] = 1;
-          if (custom) k_top_[k] = custom[i];
-          break;
-        }
-        if (e.id == id) {
-          k = base + static_cast<int64_t>(e.tag_uid & kUidMask);
-          if (k_bucket_[k] != b) continue;  // the same id in another table
-          ++k_count_[k];
-          if (custom) k_top_[k] = std::max(k_top_[k], custom[i]);
-          break;
-        }
-      }
-      key_of_[i] = k;
-    }
-    return found;
   }
 
   void allocate() {
@@ -497,17 +295,8 @@ class TrainLookup {
     u_flags_[pos] = kPromoted | kAdmitted;
   }
 
-  // Occurrences of the id of item k of the order: the key's count, or 1.
-  int64_t count_of(int64_t k) const { return by_key_ ? k_count_[occ_.items[k].index] : 1; }
-
-  // The max custom score of item k's occurrences (custom scores given).
-  int64_t top_of(int64_t k) const {
-    const int64_t index = occ_.items[k].index;
-    return by_key_ ? k_top_[index] : a_.custom_scores[index];
-  }
-
-  // The items (keys, or occurrences) at positions [k0, k1) of the order, all
-  // in ``bucket``. Uniques: the stored ids in way order, then the new ids by id.
+  // Occurrences at positions [k0, k1) of the order, all in ``bucket``.
+  // Uniques: the stored ids in way order, then the new ids by id.
   void collect_bucket(int64_t p, int64_t bucket, int64_t k0, int64_t k1, Worker& w) {
     const Item* items = occ_.items;
     const int64_t t = owner_(bucket);
@@ -530,8 +319,8 @@ class TrainLookup {
         count[way] = 0;
         top[way] = std::numeric_limits<int64_t>::min();
       }
-      count[way] += count_of(k);
-      if (tab.custom) top[way] = std::max(top[way], top_of(k));
+      ++count[way];
+      if (tab.custom) top[way] = std::max(top[way], a_.custom_scores[items[k].index]);
       tag_[k] = way;
     }
 
@@ -550,30 +339,25 @@ class TrainLookup {
       }
     }
 
-    auto& misses = w.misses;
-    if (misses.size() <= 16) {  // insertion sort: most buckets see one or two
-      for (size_t i = 1; i < misses.size(); ++i) {
-        const auto x = misses[i];
-        size_t j = i;
-        for (; j > 0 && x < misses[j - 1]; --j) misses[j] = misses[j - 1];
-        misses[j] = x;
-      }
-    } else {
+    if (!w.misses.empty()) {
+      auto& misses = w.misses;
       std::sort(misses.begin(), misses.end());
-    }
-    for (size_t g = 0; g < misses.size();) {
-      size_t g1 = g + 1;
-      while (g1 < misses.size() && misses[g1].first == misses[g].first) ++g1;
-      int64_t occurrences = 0, top_score = std::numeric_limits<int64_t>::min();
-      for (size_t j = g; j < g1; ++j) {
-        occurrences += count_of(misses[j].second);
-        if (tab.custom) top_score = std::max(top_score, top_of(misses[j].second));
-        tag_[misses[j].second] = n_unique;
+      for (size_t g = 0; g < misses.size();) {
+        size_t g1 = g + 1;
+        while (g1 < misses.size() && misses[g1].first == misses[g].first) ++g1;
+        int64_t top_score = std::numeric_limits<int64_t>::min();
+        for (size_t j = g; j < g1; ++j) {
+          if (tab.custom) {
+            top_score = std::max(top_score, a_.custom_scores[items[misses[j].second].index]);
+          }
+          tag_[misses[j].second] = n_unique;
+        }
+        add_unique(base + n_unique, misses[g].first, bucket, t, static_cast<int64_t>(g1 - g),
+                   top_score, -1);
+        if (a_.num_promote) mark_promoted(base + n_unique);
+        ++n_unique;
+        g = g1;
       }
-      add_unique(base + n_unique, misses[g].first, bucket, t, occurrences, top_score, -1);
-      if (a_.num_promote) mark_promoted(base + n_unique);
-      ++n_unique;
-      g = g1;
     }
     if (!tab.admission) settle_bucket(p, bucket, base + first_unique, base + n_unique, w);
   }
@@ -744,7 +528,8 @@ class TrainLookup {
     if (!a_.weights && !a_.state) return;  // the caller writes every row
     // Rows of whole 16-byte blocks are computed in a scratch row and stored
     // around the cache (why: each row's lines were read for ownership only to
-    // be overwritten; the reads were most of the lookup's time on new ids).
+    // be overwritten; 327k ids uniform over 100M, nearly all new, took 15-23 %
+    // less time streamed, one thread, 4 tables of 1M rows x 64).
     const bool stream = kStreamRows && a_.weights && dim % 4 == 0 &&
                         reinterpret_cast<uintptr_t>(a_.weights) % 16 == 0;
     if (stream) w.row.resize(static_cast<size_t>(dim));
@@ -786,7 +571,6 @@ class TrainLookup {
       unique_base[p + 1] = unique_base[p] + n_unique_[p];
       evicted_base[p + 1] = evicted_base[p] + n_evicted_[p];
     }
-    if (by_key_) out_of_key_ = arena_.take<int64_t>(key_slots_);
     ensure(parallel_for(parts, threads_, [&](int64_t p, int64_t) {
       const int64_t base = occ_.part_start[p];
       for (int64_t j = 0, out = unique_base[p]; j < n_unique_[p]; ++j, ++out) {
@@ -808,13 +592,9 @@ class TrainLookup {
         if (a_.evicted_scores) a_.evicted_scores[out] = e_score_[from];
       }
       for (int64_t k = base; k < occ_.part_start[p + 1]; ++k) {
-        const int64_t index = occ_.items[k].index, local = tag_[k];
-        if (by_key_) {
-          out_of_key_[index] = unique_base[p] + local;
-        } else {
-          a_.slots[index] = u_slot_[base + local];
-          a_.unique_index[index] = unique_base[p] + local;
-        }
+        const int64_t i_occ = occ_.items[k].index, local = tag_[k];
+        a_.slots[i_occ] = u_slot_[base + local];
+        a_.unique_index[i_occ] = unique_base[p] + local;
       }
     }));
     for (const Worker& w : workers_) {
@@ -824,43 +604,16 @@ class TrainLookup {
     a_.sizes[1] = evicted_base[parts];
   }
 
-  // Every occurrence's slot and unique index: its key's (by_key_).
-  void map_occurrences() {
-    const int64_t n = a_.n;
-    const int64_t slices = worker_count(n / kMinRange + 1, threads_);
-    ensure(parallel_for(slices, threads_, [&](int64_t s, int64_t) {
-      for (int64_t i = slice_begin(n, slices, s), e = slice_begin(n, slices, s + 1); i < e; ++i) {
-        if (bucket_[i] < 0) continue;
-        const int64_t u = out_of_key_[key_of_[i]];
-        a_.unique_index[i] = u;
-        a_.slots[i] = a_.unique_slots[u];
-      }
-    }));
-  }
-
-  // Occurrences a thread de-duplicates or maps at least (why: a thread start
-  // costs ~20 us, more than a few thousand occurrences).
-  static constexpr int64_t kMinRange = 16384;
-
   const KvTrainArgs& a_;
   Arena& arena_;  // every array below is taken from it
-  DedupSlots& dedup_slots_;
   std::vector<TableInfo> tables_;
   std::vector<int64_t> promote_begin_;  // [T + 1] where each table's promotions start
   BucketOwner owner_, counter_owner_;
   bool any_admission_ = false;
   int64_t threads_ = 1;
-  std::vector<int64_t> table_count_;  // [T] occurrences of each table
   int64_t* bucket_ = nullptr;  // [n] global bucket of each occurrence, -1: another group's
-  int64_t* key_of_ = nullptr;  // [n] the key of each occurrence (bucket_ >= 0)
-  // Keys (de-duplicated occurrences) at [0, key_slots_), as many as the
-  // group's occurrences: bucket -1 where unused.
-  int64_t key_slots_ = 0;
-  int64_t *k_id_ = nullptr, *k_bucket_ = nullptr, *k_count_ = nullptr, *k_top_ = nullptr;
-  int64_t* out_of_key_ = nullptr;  // [n] a key's index in the outputs
-  bool by_key_ = false;  // occ_ orders keys (de-duplicated first), else occurrences
-  BucketOrder occ_;      // by bucket; Item::index: the key, or the occurrence
-  int64_t* tag_ = nullptr;  // per position of occ_.items: the part-local unique index
+  BucketOrder occ_;            // occurrences by bucket
+  int64_t* tag_ = nullptr;     // per position of occ_.items: the part-local unique index
   // Uniques of part p at [occ_.part_start[p], + n_unique_[p]).
   int64_t *u_id_ = nullptr, *u_bucket_ = nullptr, *u_table_ = nullptr;
   int64_t *u_count_ = nullptr, *u_value_ = nullptr, *u_slot_ = nullptr;
@@ -884,9 +637,8 @@ extern "C" int kv_lookup_train_group(const KvTrainArgs* args) {
   }
   try {
     kvemb::ArenaLease lease(args->workspace ? &args->workspace->arena : nullptr,
-                            args->workspace ? &args->workspace->busy : nullptr,
-                            args->workspace ? &args->workspace->dedup : nullptr);
-    return kvemb::TrainLookup(*args, lease.arena(), lease.dedup()).run();
+                            args->workspace ? &args->workspace->busy : nullptr);
+    return kvemb::TrainLookup(*args, lease.arena()).run();
   } catch (const std::bad_alloc&) {
     return KV_OUT_OF_MEMORY;
   }

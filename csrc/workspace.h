@@ -12,8 +12,6 @@
 #include <memory>
 #include <vector>
 
-#include "dedup.h"
-
 namespace kvemb {
 
 class Arena {
@@ -50,15 +48,13 @@ class Arena {
 };
 
 // The arena a call uses: its workspace's when given and not in use by
-// another call at the same moment, else one of its own (and likewise the
-// de-duplication entries, when given).
+// another call at the same moment, else one of its own.
 class ArenaLease {
  public:
-  ArenaLease(Arena* shared, std::atomic<bool>* busy, DedupSlots* dedup = nullptr) {
+  ArenaLease(Arena* shared, std::atomic<bool>* busy) {
     if (shared && busy && !busy->exchange(true)) {
       arena_ = shared;
       busy_ = busy;
-      dedup_ = dedup;
     } else {
       own_ = std::make_unique<Arena>();
       arena_ = own_.get();
@@ -72,19 +68,10 @@ class ArenaLease {
   ArenaLease& operator=(const ArenaLease&) = delete;
 
   Arena& arena() { return *arena_; }
-  DedupSlots& dedup() {
-    if (!dedup_) {
-      own_dedup_ = std::make_unique<DedupSlots>();
-      dedup_ = own_dedup_.get();
-    }
-    return *dedup_;
-  }
 
  private:
   std::unique_ptr<Arena> own_;
   Arena* arena_ = nullptr;
-  std::unique_ptr<DedupSlots> own_dedup_;
-  DedupSlots* dedup_ = nullptr;
   std::atomic<bool>* busy_ = nullptr;
 };
 
@@ -93,6 +80,5 @@ class ArenaLease {
 // The opaque workspace of the C ABI.
 struct KvWorkspace {
   kvemb::Arena arena;
-  kvemb::DedupSlots dedup;  // the training lookup's (dedup.h)
   std::atomic<bool> busy{false};
 };

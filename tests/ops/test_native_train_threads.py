@@ -1,13 +1,10 @@
 """The native training lookup gives the same bits on 1, 2 and 3 threads.
 
-``kv_lookup_train_group`` orders a batch by bucket and works part by part;
-where ids repeat it first de-duplicates them in ranges of buckets, one range
-a thread (cut at table boundaries, or inside a table when one table holds most
-ids). The scenarios take both ways: repeats from a few thousand ids
-(most scenarios: ``random_batch`` repeats a few huge ids) are de-duplicated
-first; 36k distinct ids (rows streamed) are ordered as they come. Each scenario below runs a few
-batches large enough for three ranges (over 32k ids) through three copies of
-one group, with 1, 2 and 3 threads, and compares every output (slots, unique
+``kv_lookup_train_group`` orders a batch by bucket in parts of 1024 buckets
+(counted and scattered per slice of the batch) and settles part by part,
+threads taking parts in any order. Each scenario below runs a few batches
+of over 32k ids (several slices and parts) through three copies of one
+group, with 1, 2 and 3 threads, and compares every output (slots, unique
 order and flags, counts, evictions, metrics) and every array after the
 batches. One scenario's 1-thread run (new rows written by non-temporal
 stores, dim 8) is also checked against the per-table ``KVTable.lookup_train``
@@ -58,7 +55,7 @@ class Scenario:
 
 
 SCENARIOS = {
-    # Ids split unevenly: one table holds most of them, so a range cuts it.
+    # Ids split unevenly: one table holds most of them.
     "four-policies-uneven": Scenario(
         (
             Spec(16 * 700, LRU),
@@ -213,9 +210,9 @@ def test_threads_give_identical_promotions() -> None:
 
 
 def test_one_workspace_across_groups_and_thread_counts() -> None:
-    """The de-duplication entries a workspace keeps between calls (tagged per call,
-    never cleared) leave no trace: calls alternating two groups, with and without
-    the workspace, on 1 and 3 threads, give what fresh scratch gives."""
+    """Scratch a workspace keeps between calls leaves no trace: calls alternating
+    two groups of other sizes, with and without the workspace, on 1 and 3
+    threads, give what fresh scratch gives."""
     specs = [Spec(16 * 300, LRU), Spec(16 * 200, LFU, seed=1)]
     shared, alone = [Group(specs), Group(specs)], [Group(specs), Group(specs)]
     workspace = native.Workspace()
