@@ -147,19 +147,17 @@ def lookup_train_tiers(
         counter,
         workspace=workspace(),
         tier=native.TierPromotion(
-            torch.cat([f.ids for f in fetched]),
-            torch.cat([f.scores for f in fetched]),
+            fetched[0].ids if T == 1 else torch.cat([f.ids for f in fetched]),
+            fetched[0].scores if T == 1 else torch.cat([f.scores for f in fetched]),
             promote_offsets,
         ),
     )
     flags = out.unique_flags
     unique_index = out.unique_index
-    theirs = unique_index >= 0
     metrics = out.metrics.tolist()
     from_ssd = (flags & native.UNIQUE_PROMOTED) != 0
     new = (flags & native.UNIQUE_INSERTED) != 0
     no_room = (flags & native.UNIQUE_NO_ROOM) != 0
-    slots_u = out.unique_slots.clone()
     owner = out.unique_table
     ev_owner = None  # the table of each evicted row (a group of one: all its own)
     if T > 1:
@@ -198,9 +196,12 @@ def lookup_train_tiers(
             promoted_rows = torch.bincount(owner[prom][moved], minlength=T).tolist()
         else:
             promoted_rows = [int(moved.sum())]
-    promoted_occ = [0] * T
-    if prom.numel():
-        promoted = theirs & (flags[unique_index.clamp(min=0)] & native.UNIQUE_PROMOTED != 0)
+    promoted_occ = [0] * T  # id occurrences served by a tier (``ssd_hits``)
+    if prom.numel() and T == 1:  # every id is the table's
+        promoted_occ = [int(from_ssd[unique_index].sum())]
+    elif prom.numel():
+        theirs = unique_index >= 0
+        promoted = theirs & from_ssd[unique_index.clamp(min=0)]
         promoted_occ = torch.bincount(table_idx[promoted], minlength=T).tolist()
     down_rows = down.rows() if down is not None else None
 
@@ -233,18 +234,19 @@ def lookup_train_tiers(
             pad_rows[back] = up_rows[row_of[pad[back]]].to(pad_rows.dtype)
         return pad, pad_ids, pad_rows
 
-    any_pad = False
+    slots_u = None  # the unique slots with the scratch rows' (made if there are any)
     for t, padded in enumerate(_per_table(settle, T)):
         if padded is None:
             continue
-        any_pad = True
+        if slots_u is None:
+            slots_u = out.unique_slots.clone()
         pad, pad_ids, pad_rows = padded
         local = tables[t].write_scratch(pad_rows, pad_ids, out.unique_scores[pad])
         slots_u[pad] = local + row_offsets[t]
     for table in tables:  # TTL tables (LRU: scores are last steps) sweep every tier
         if table.ttl is not None:
             table.ttl.sweep()
-    if not any_pad:
+    if slots_u is None:
         return GroupLookup(out.slots, unique_index, out.unique_slots, owner)
-    slots = torch.where(theirs, slots_u[unique_index.clamp(min=0)], -1)
+    slots = torch.where(unique_index >= 0, slots_u[unique_index.clamp(min=0)], -1)
     return GroupLookup(slots, unique_index, slots_u, owner)
