@@ -32,9 +32,11 @@ slot to its tier.
 memory snapshot (``SSDStore.flush``); a restart restores them into the table
 and, what does not fit there, into this tier (``adopt``).
 
-**Transfers.** Per table and step the rows cross in one gather (``fetch``: one
-``index_select`` of the records) and one scatter (``put``: one ``index_copy_``)
-per direction (the native row scatter on the CPU).
+**Transfers.** On the host side, per table and step, the rows cross in one
+gather (``fetch``: one ``index_select`` of the records) and one scatter
+(``put``: one ``index_copy_``, the native row scatter on the CPU); between host
+and table (or group) arrays, ``transfers.py`` moves them: one gather and one
+scatter per direction for a group of tables.
 
 Example::
 

@@ -19,7 +19,9 @@ to the SSD tier at the table's next call.
 
 The native one-pass lookup (``tiered_lookup.py``) does a batch's tier work
 through the table's public steps: ``settle``, ``fetch_lower``, ``reserve_batch``,
-``demote``, ``promote``, ``write_scratch``, ``advance_step`` and ``tier``.
+``demote_rows``, ``write_scratch``, ``advance_step`` and ``tier``; it moves the
+rows of all its tables in one gather and one scatter (``transfers.py``), as
+``demote`` and ``promote`` do for one table (on CUDA: copies on a side stream).
 
 The two tiers never hold the same id. ``KVTable(..., options)`` with
 ``options.ssd`` builds this class. See docs/ssd-tier.md.

@@ -10,16 +10,21 @@ native group kernel per step, whatever the number of tables:
    (``KVTable.advance_step``);
 2. one ``native.lookup_train_group`` with those ids as promotions
    (``native.TierPromotion``, table by table): it writes no row;
-3. per table, rows evicted from memory are demoted to its SSD tier (``demote``),
-   promoted rows leave the tier (``tier.remove``) and take their memory slots
-   (``promote``), new rows get their initial values, and ids without a memory
-   row (a bucket full of the batch's ids) get scratch rows (``write_scratch``,
-   ``ssd/scratch.py``); a TTL table then sweeps its memory rows and its
-   tiers (``TableTTL.sweep``).
+3. the transfers, one per direction for the group (``transfers.py``): the rows
+   evicted from memory, of every table, leave by one gather of the group's
+   arrays (``gather_down``), the promoted rows of every table go up as one
+   buffer in one scatter (``scatter_up``);
+4. per table, its demoted rows go to its tiers (``demote_rows``), promoted rows
+   leave the tier (``tier.remove``), new rows get their initial values, and ids
+   without a memory row (a bucket full of the batch's ids) get scratch rows
+   (``write_scratch``, ``ssd/scratch.py``); a TTL table then sweeps its memory
+   rows and its tiers (``TableTTL.sweep``).
 
 Only public methods of the tables and of their tiers (``tier.LowerTier``) are
 used: the tables are ``TieredKVTable``s (typed by their base, ``KVTable``:
-``tiered`` imports this module).
+``tiered`` imports this module). The kernel runs on the CPU: the transfers'
+copies are no-ops here (on CUDA, the tables' own lookups use the same
+``transfers`` functions, table by table).
 
 The per-table steps are batched calls on each table's SSD store (each table
 keeps its own files), run for two tables at once on threads (``TIER_THREADS``);
