@@ -20,6 +20,7 @@ from torchrec_kvemb import (
     HostTierOptions,
     KVEmbeddingBagCollection,
     KVTableOptions,
+    native_lib,
     tiered_lookup,
     transfers,
 )
@@ -101,6 +102,7 @@ def _spy(monkeypatch, owner, name: str, calls: dict) -> None:
 def test_a_group_moves_its_rows_in_one_gather_and_one_scatter(monkeypatch):
     """Native kernels: per step one gather down and one scatter up for the three
     tables (none per table), and the rows of every tier equal all in memory's."""
+    assert native_lib.available(), native_lib.unavailable_reason()
     monkeypatch.setenv(ENV_VAR, "auto")
     tiered, full = _ebc(False), _ebc(True)
     arrays = {tiered.table(t).weights.untyped_storage().data_ptr() for t in TABLES}

@@ -101,6 +101,27 @@ def _per_table(work: Callable[[int], _T], num_tables: int) -> list[_T]:
     return [f.result() for f in futures]
 
 
+def _beside(work: Callable[[int], None], num_tables: int) -> Callable[[], None]:
+    """Start ``work(t)`` for every table on the threads of ``_per_table`` (on the
+    calling thread, at once, with one torch thread); the callable returned waits
+    for them and raises the first error."""
+    if torch.get_num_threads() == 1:
+        for t in range(num_tables):
+            work(t)
+        return lambda: None
+    global _POOL
+    if _POOL is None or _POOL[0] != os.getpid():
+        _POOL = (os.getpid(), ThreadPoolExecutor(TIER_THREADS, thread_name_prefix="kvemb-tier"))
+    futures = [_POOL[1].submit(work, t) for t in range(num_tables)]
+
+    def done() -> None:
+        wait(futures)
+        for f in futures:
+            f.result()
+
+    return done
+
+
 def lookup_train_tiers(
     tables: Sequence[KVTable],
     layout: GroupLayout,
@@ -183,6 +204,7 @@ def lookup_train_tiers(
             f"{prom.numel()} ids promoted by the kernel, {up_rows.shape[0]} held by the tiers"
         )
     row_of = None  # position in ``up_rows`` of each promoted unique
+    up = None  # (slots, rows) of the promoted rows that take memory slots
     promoted_rows = [0] * T
     if prom.numel():
         prom = prom[torch.sort(out.unique_ids[prom], stable=True).indices]
@@ -192,11 +214,10 @@ def lookup_train_tiers(
         row_of[prom] = torch.arange(prom.numel())
         up_slots = out.unique_slots[prom]
         moved = up_slots >= 0
-        if bool(moved.all()):
-            scatter_up(storage.weights, storage.state, up_slots, up_rows)
-        else:
+        up = (up_slots, up_rows)
+        if not bool(moved.all()):
             at = moved.nonzero().squeeze(1)
-            scatter_up(storage.weights, storage.state, up_slots[at], up_rows[at])
+            up = (up_slots[at], up_rows[at])
         if T > 1:
             promoted_rows = torch.bincount(owner[prom][moved], minlength=T).tolist()
         else:
@@ -210,11 +231,10 @@ def lookup_train_tiers(
         promoted_occ = torch.bincount(table_idx[promoted], minlength=T).tolist()
     down_rows = down.rows() if down is not None else None
 
-    def settle(t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Table ``t``'s share after the kernel and the transfers: counters, its
-        demoted rows to its tiers, new rows; its ids without a memory row
-        ``(positions in the uniques, ids, rows)`` (None: none)."""
-        table, f, offset = tables[t], fetched[t], row_offsets[t]
+    def to_tier(t: int) -> None:
+        """Table ``t``'s counters and its tiers' share: promoted ids leave them, its
+        demoted rows go down (host arrays and files only)."""
+        table, f = tables[t], fetched[t]
         for name, value in zip(METRIC_NAMES[:KERNEL_METRICS], metrics[t], strict=True):
             table.count(name, value)
         table.count("ssd_hits", promoted_occ[t])
@@ -224,6 +244,11 @@ def lookup_train_tiers(
         if down_rows is not None:
             gone = (ev_owner == t).nonzero().squeeze(1) if ev_owner is not None else slice(None)
             table.demote_rows(out.evicted_ids[gone], out.evicted_scores[gone], down_rows[gone])
+
+    def in_memory(t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Table ``t``'s new rows (the group's arrays only); its ids without a memory
+        row ``(positions in the uniques, ids, rows)`` (None: none)."""
+        table, offset = tables[t], row_offsets[t]
         mine = owner == t if T > 1 else None
         fresh = (new if mine is None else mine & new).nonzero().squeeze(1)
         table.init_rows_at(out.unique_slots[fresh] - offset, out.unique_ids[fresh])
@@ -239,8 +264,19 @@ def lookup_train_tiers(
             pad_rows[back] = up_rows[row_of[pad[back]]].to(pad_rows.dtype)
         return pad, pad_ids, pad_rows
 
+    # The tiers' work (host arrays, files) and the memory rows' (the group's arrays)
+    # touch different memory: with threads, the tiers' runs beside the calling
+    # thread, which writes the promoted and new rows.
+    tiers_done = _beside(to_tier, T)
+    try:
+        if up is not None:
+            scatter_up(storage.weights, storage.state, *up)
+        padded_rows = [in_memory(t) for t in range(T)]
+    finally:
+        tiers_done()
+
     slots_u = None  # the unique slots with the scratch rows' (made if there are any)
-    for t, padded in enumerate(_per_table(settle, T)):
+    for t, padded in enumerate(padded_rows):
         if padded is None:
             continue
         if slots_u is None:
