@@ -17,7 +17,7 @@ extern "C" {
 
 // Bump on any change of a signature or struct below; native.py refuses a
 // library whose version differs (a stale build).
-#define KV_ABI_VERSION 7
+#define KV_ABI_VERSION 8
 
 enum KvStatus {
   KV_OK = 0,
@@ -243,6 +243,9 @@ typedef struct KvPooledArgs {
   int64_t* seen;
   int64_t* missing;
   int64_t num_threads;
+  // 1: no pooling, every id its row (row i of out [n, dim]; the bags give
+  // only each id's table; no multiplier, no out_offset).
+  int64_t unpooled;
 } KvPooledArgs;
 
 int kv_pooled_forward(const KvPooledArgs* args);

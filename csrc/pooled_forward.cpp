@@ -119,8 +119,8 @@ KV_ALWAYS_INLINE void sum_bags_body(const Sums& s, int64_t b0, int64_t b1) {
   }
 }
 
-// Every id a bag of its own (no offsets): each id's row, read to float32, or
-// zeros, straight into its output row.
+// Every id a bag of its own (no offsets), or unpooled: the rows of ids
+// [b0, b1), read to float32, or zeros, straight into their output rows.
 template <class R, int64_t kDim>
 KV_ALWAYS_INLINE void copy_rows_body(const Sums& s, int64_t b0, int64_t b1) {
   const KvPooledArgs& a = *s.a;
@@ -145,12 +145,12 @@ KV_ALWAYS_INLINE void copy_rows_body(const Sums& s, int64_t b0, int64_t b1) {
 // One row width's sums, compiled for the dims kDims list (then any dim).
 template <class R, bool kWeighted>
 KV_ALWAYS_INLINE void sum_bags_any(const Sums& s, int64_t b0, int64_t b1) {
-  if (!kWeighted && !s.a->offsets) {
-    switch (s.a->dim) {
+  if (!kWeighted && (!s.a->offsets || s.a->unpooled)) {
+    switch (s.a->dim) {  // the ids of the bags
       case 64:
-        return copy_rows_body<R, 64>(s, b0, b1);
+        return copy_rows_body<R, 64>(s, s.ids_begin, s.ids_end);
       default:
-        return copy_rows_body<R, 0>(s, b0, b1);
+        return copy_rows_body<R, 0>(s, s.ids_begin, s.ids_end);
     }
   }
   switch (s.a->dim) {
@@ -227,12 +227,16 @@ int check_args(const KvPooledArgs& a) {
   } else if (B != n) {
     return KV_BAD_ARGUMENT;
   }
+  if (a.unpooled && (a.out_offset || a.scale || a.per_sample_weights || a.mean_of_bag)) {
+    return KV_BAD_ARGUMENT;
+  }
+  if (a.unpooled && n * dim > a.out_numel) return KV_BAD_ARGUMENT;
   if (a.out_offset) {
     for (int64_t b = 0; b < B; ++b) {
       const int64_t o = a.out_offset[b];
       if (o < -1 || (o >= 0 && o + dim > a.out_numel)) return KV_BAD_ARGUMENT;
     }
-  } else if (B * dim > a.out_numel) {
+  } else if (!a.unpooled && B * dim > a.out_numel) {
     return KV_BAD_ARGUMENT;
   }
   // (An empty tensor's pointer may be null: only what n ids need is required.)

@@ -298,6 +298,7 @@ def group_pooled_eval(
     out_offset: torch.Tensor | None,
     out_shape: tuple[int, int],
     metrics: torch.Tensor,
+    unpooled: bool = False,
 ) -> torch.Tensor:
     """A group's evaluation batch, probed and pooled by ``kvemb::pooled_eval_group``
     (see ``KVTableGroup.pooled_eval``); hits and misses add to ``metrics``."""
@@ -307,7 +308,7 @@ def group_pooled_eval(
     return op(
         storage.keys, layout.bucket_offset, layout.num_buckets, storage.weights, ids, offsets,
         table_of_bag, per_sample_weights, mean_of_bag, bag_list, out_offset, *out_shape,
-        *_init_tensors(layout), metrics,
+        *_init_tensors(layout), metrics, unpooled,
     )  # fmt: skip
 
 

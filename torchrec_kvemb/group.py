@@ -327,6 +327,7 @@ class KVTableGroup:
         bag_list: torch.Tensor,
         out_offset: torch.Tensor | None = None,
         out_shape: tuple[int, int] | None = None,
+        unpooled: bool = False,
     ) -> torch.Tensor:
         """An evaluation batch, read-only: the pooled rows of the bags cut by ``offsets``
         (ids without a row pool zeros; ``table_of_bag``: the table of each bag's ids,
@@ -334,23 +335,26 @@ class KVTableGroup:
         length where ``mean_of_bag``), bag ``b``'s row at flat offset ``out_offset[b]``
         of a new ``out_shape`` tensor (rows of ``dim``: the group's bags ``bag_list`` in
         this order), or ``[B, dim]``; ``offsets`` None: every id is a bag of its own,
-        ``[n, dim]``.
+        ``[n, dim]``; ``unpooled``: likewise, the bags giving each id's table only.
 
         One fused probe-and-pool call (``kvemb::pooled_eval_group``) where the group
         has one; tables with SSD tiers, a lone table's group and the torch path look
         up (``lookup_eval``), then pool (``pooled_forward`` / ``rows_forward``)."""
         if self.pad is None and not self.per_table_only and self.backend(ids.device) != "torch":
-            bags = ids.shape[0] if offsets is None else offsets.shape[0] - 1
+            bags = ids.shape[0] if offsets is None or unpooled else offsets.shape[0] - 1
             shape = out_shape if out_offset is not None else (bags, self.dim)
             return dispatch.group_pooled_eval(
                 self.layout, self.storage, ids, offsets, table_of_bag, per_sample_weights,
-                mean_of_bag, bag_list, out_offset, shape, self.metrics,
+                mean_of_bag, bag_list, out_offset, shape, self.metrics, unpooled,
             )  # fmt: skip
         n = ids.shape[0]
-        if offsets is None:
+        if offsets is None or unpooled:
             each = torch.arange(n + 1, device=ids.device)
-            slots = self.lookup_eval(ids, table_of_bag)
-            return self.rows_forward(slots, ids, table_of_bag, Bags(each, each[:n], None), True)
+            table_idx = table_of_bag
+            if offsets is not None:
+                table_idx = table_of_bag.index_select(0, Bags.build(offsets, n).bag_of)
+            slots = self.lookup_eval(ids, table_idx)
+            return self.rows_forward(slots, ids, table_idx, Bags(each, each[:n], None), True)
         mean = mean_of_bag if mean_of_bag is not None else False
         bags = Bags.build(offsets, n, per_sample_weights, mean)
         table_idx = table_of_bag.index_select(0, bags.bag_of)

@@ -67,12 +67,14 @@ def pooled_eval(
     bag_list: torch.Tensor,
     out_offset: torch.Tensor | None = None,
     out_shape: tuple[int, int] | None = None,
+    unpooled: bool = False,
 ) -> torch.Tensor:
     """An evaluation batch of the group (read-only), probed and pooled in one call
     where the group has one: ids without a row pool zeros; bag ``b``'s row at flat
     offset ``out_offset[b]`` of a new ``out_shape`` tensor, or ``[B, dim]``;
-    ``offsets`` None: every id is a bag of its own, ``[n, dim]``
+    ``offsets`` None or ``unpooled``: every id's row, ``[n, dim]``
     (``KVTableGroup.pooled_eval``)."""
     return group.pooled_eval(
-        ids, offsets, table_of_bag, per_sample_weights, mean_of_bag, bag_list, out_offset, out_shape
-    )
+        ids, offsets, table_of_bag, per_sample_weights, mean_of_bag, bag_list, out_offset,
+        out_shape, unpooled,
+    )  # fmt: skip

@@ -35,7 +35,7 @@ from torchrec_kvemb.validation import KVInputError
 #: The shared library's extension name (setup.py builds csrc/ into it).
 LIBRARY = "torchrec_kvemb._kvemb_native"
 #: Must equal KV_ABI_VERSION in csrc/kvemb_native.h.
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 _OK, _BAD_TABLE, _NEGATIVE_ID, _OUT_OF_MEMORY, _BAD_ARGUMENT = range(5)
 
@@ -173,6 +173,7 @@ class PooledArgs(ctypes.Structure):
         ("seen", _PTR),
         ("missing", _PTR),
         ("num_threads", _I64),
+        ("unpooled", _I64),
     ]
 
 

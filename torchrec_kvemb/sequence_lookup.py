@@ -78,27 +78,31 @@ class KVSequenceLookup(KVBagLookup):
             if custom is not None:
                 custom = (custom[0].index_select(0, index), custom[1])
         n = ids.numel()
+        if not training:  # one fused call per group: the bags give each id's table
+            offsets, none = bag_offsets(lengths), ids.new_empty(0)
+            out = None
+            for group, table_of_bag in zip(self.groups, plan.table_of_bag, strict=True):
+                rows = pooled_eval(group, ids, offsets, table_of_bag, None, None, none,
+                                   unpooled=True)  # fmt: skip
+                out = rows if out is None else out + rows  # other groups' ids: zeros
+            return out
         bag_of = run_of_each(lengths, n)
         # Every id a bag of its own.
         each = torch.arange(n + 1, device=ids.device)
         bags = Bags(each, each[:n], None)
         out = None
+        scores, flags = custom if custom is not None else (None, None)
         for group, table_of_bag in zip(self.groups, plan.table_of_bag, strict=True):
-            table_idx = table_of_bag[bag_of]
-            if training:
-                scores, flags = custom if custom is not None else (None, None)
-                rows = pooled_train(
-                    self._anchor,
-                    group,
-                    ids,
-                    table_idx,
-                    bags,
-                    None,
-                    scores,
-                    None if flags is None else [flags.get(t.name, False) for t in group.tables],
-                )
-            else:
-                rows = pooled_eval(group, ids, None, table_idx, None, None, ids.new_empty(0))
+            rows = pooled_train(
+                self._anchor,
+                group,
+                ids,
+                table_of_bag[bag_of],
+                bags,
+                None,
+                scores,
+                None if flags is None else [flags.get(t.name, False) for t in group.tables],
+            )
             # Ids of another group's tables get zeros here: the groups' rows add up.
             out = rows if out is None else out + rows
         return out

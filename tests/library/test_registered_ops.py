@@ -124,7 +124,7 @@ def _eval_args(group: KVTableGroup) -> tuple:
     init = (layout.seed, layout.seed_mix, layout.init_normal, layout.init_a, layout.init_b)
     return (group.storage.keys, layout.bucket_offset, layout.num_buckets, group.weights, ids,
             offsets, table_of_bag, weights, mean_of_bag, bag_list, out_offset, 6, DIM, *init,
-            group.metrics.clone())  # fmt: skip
+            group.metrics.clone(), False)  # fmt: skip
 
 
 def _bucketize_args() -> tuple:

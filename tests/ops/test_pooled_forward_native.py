@@ -120,9 +120,14 @@ def test_pooled_eval_is_the_lookup_then_the_torch_forward(dtype, kind, dim):
     rows, _, _ = native.pooled_eval(
         keys, layout.bucket_offset, layout.num_buckets, group.weights, ids, None, table_idx
     )
-    assert torch.equal(
-        rows, group_rows_forward_torch(group.weights, slots, ids, table_idx, (), True)
-    )
+    want_rows = group_rows_forward_torch(group.weights, slots, ids, table_idx, (), True)
+    assert torch.equal(rows, want_rows)
+    for threads in THREADS:  # unpooled: the bags give each id's table only
+        got, _, _ = native.pooled_eval(
+            keys, layout.bucket_offset, layout.num_buckets, group.weights, ids, offsets,
+            table_of_bag, num_threads=threads, unpooled=True,
+        )  # fmt: skip
+        assert torch.equal(got, want_rows), threads
 
 
 def test_pooled_eval_refuses_bad_ids_and_offsets():

@@ -225,8 +225,9 @@ class EvalArgs(NamedTuple):
     without ``offsets``), where each bag's row goes (``out_offset [B]``: its flat
     offset in the output ``[out_rows, out_width]``, viewed as rows of ``dim`` the
     ``bag_list`` in order; -1: none; None: ``[B, dim]``), the layout's initial-row
-    settings (which the Triton forward takes; missing ids pool zeros here), and the
-    ``[T, 6]`` metrics, to which hits and misses add."""
+    settings (which the Triton forward takes; missing ids pool zeros here), the
+    ``[T, 6]`` metrics, to which hits and misses add, and ``unpooled``: no pooling,
+    every id's row ``[n, dim]`` (the bags give each id's table only)."""
 
     keys: Tensor
     bucket_offset: Tensor
@@ -247,12 +248,14 @@ class EvalArgs(NamedTuple):
     init_a: Tensor
     init_b: Tensor
     metrics: Tensor
+    unpooled: bool
 
     def out_shape(self) -> tuple[int, int]:
         if self.out_offset is not None:
             return self.out_rows, self.out_width
-        bags = self.ids.shape[0] if self.offsets is None else self.offsets.shape[0] - 1
-        return bags, self.weights.shape[1]
+        if self.unpooled or self.offsets is None:
+            return self.ids.shape[0], self.weights.shape[1]
+        return self.offsets.shape[0] - 1, self.weights.shape[1]
 
 
 EVAL_MUTATES = ("metrics",)
@@ -268,7 +271,7 @@ def _pooled_eval_cpu(*args: object) -> Tensor:
         a.keys, a.bucket_offset, a.num_buckets, a.weights, a.ids.contiguous(), _opt(a.offsets),
         a.table_of_bag.contiguous(), _opt(a.per_sample_weights), _opt(a.mean_of_bag),
         _opt(a.out_offset), a.out_shape() if a.out_offset is not None else None,
-        num_threads=torch.get_num_threads(),
+        num_threads=torch.get_num_threads(), unpooled=a.unpooled,
     )  # fmt: skip
     a.metrics[:, 0] += hits
     a.metrics[:, 1] += seen - hits
@@ -280,16 +283,20 @@ def _pooled_eval_cuda(*args: object) -> Tensor:
 
     a = EvalArgs(*args)
     n = a.ids.shape[0]
-    if a.offsets is None:
+    if a.offsets is None or a.unpooled:  # every id a bag of its own
         each = torch.arange(n + 1, device=a.ids.device)
         bags = Bags(each, each[:n], None)
+        table_idx = a.table_of_bag
+        if a.offsets is not None:  # of its bag's table
+            lengths = a.offsets[1:] - a.offsets[:-1]
+            table_idx = a.table_of_bag.repeat_interleave(lengths, output_size=n)
     else:
         mean = a.mean_of_bag if a.mean_of_bag is not None else False
         bags = Bags.build(a.offsets, n, a.per_sample_weights, mean)
-    table_idx = a.table_of_bag.index_select(0, bags.bag_of)
+        table_idx = a.table_of_bag.index_select(0, bags.bag_of)
     slots = _lookup_eval_cuda(a.keys, a.bucket_offset, a.num_buckets, a.ids, table_idx, a.metrics)
     init = InitArgs(a.seed, a.seed_mix, a.init_normal, a.init_a, a.init_b)
-    bag_list = bags.bag_of if a.offsets is None else a.bag_list  # rows: every id's
+    bag_list = bags.bag_of if a.offsets is None or a.unpooled else a.bag_list  # rows: all
     pooled = group_pooled_forward_triton(
         init.layout(), a.weights, slots, a.ids, table_idx, bags, bag_list, True
     )

@@ -787,6 +787,7 @@ def pooled_eval(
     out_offset: torch.Tensor | None = None,
     out_shape: tuple[int, int] | None = None,
     num_threads: int | None = None,
+    unpooled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused eval lookup of a group: probe and pool in one pass, ``(out, hits
     [T], seen [T])``.
@@ -798,12 +799,13 @@ def pooled_eval(
     ``mean_of_bag``: what ``Bags.build`` computes), a missing id pools nothing.
     ``out``: ``out_shape`` float32 with bag ``b``'s row at flat offset
     ``out_offset[b]`` (-1: a bag not written), or ``[B, dim]``. ``hits`` /
-    ``seen``: ids of each table found / looked up."""
+    ``seen``: ids of each table found / looked up. ``unpooled``: no pooling, each
+    id's row (``[n, dim]``; the bags give each id's table only)."""
     T = bucket_offset.numel()
     n = ids.numel()
     num_bags = n if offsets is None else offsets.numel() - 1
     dim = weights.shape[1] if weights.dim() == 2 else 0
-    shape = out_shape if out_shape is not None else (max(num_bags, 0), dim)
+    shape = out_shape if out_shape is not None else (n if unpooled else max(num_bags, 0), dim)
     if out_offset is None and out_shape is not None:
         raise ValueError("pooled_eval: out_shape needs out_offset")
     out = torch.empty(shape)
@@ -826,6 +828,7 @@ def pooled_eval(
         ids=tensor_ptr(ids, "ids", torch.int64, (n,)),
         hits=hits.data_ptr(),
         seen=seen.data_ptr(),
+        unpooled=int(unpooled),
     )  # fmt: skip
     return out, hits, seen
 
