@@ -175,8 +175,8 @@ def lookup_train_tiers(
         counter,
         workspace=workspace(),
         tier=native.TierPromotion(
-            fetched[0].ids if T == 1 else torch.cat([f.ids for f in fetched]),
-            fetched[0].scores if T == 1 else torch.cat([f.scores for f in fetched]),
+            fetched[0].ids.contiguous() if T == 1 else torch.cat([f.ids for f in fetched]),
+            fetched[0].scores.contiguous() if T == 1 else torch.cat([f.scores for f in fetched]),
             promote_offsets,
         ),
     )
