@@ -35,6 +35,14 @@ from torchrec_kvemb.contracts import Bags, run_of_each
 from torchrec_kvemb.lookup import pooled_eval, pooled_train
 from torchrec_kvemb.validation import KVInputError
 
+#: The largest rows output (bytes) one evaluation call of a sequence lookup makes:
+#: a batch's rows come in pieces of whole features up to this size. Why: glibc maps
+#: an allocation above its largest mmap threshold (32 MB) afresh at every call and
+#: the kernel faults its pages in as it writes (a 42 MB output cost 8-9 ms more
+#: than four of 10.5 MB, which the allocator reuses, as it does a stock
+#: ``EmbeddingCollection``'s one output per feature).
+EVAL_PIECE_BYTES = 16 << 20
+
 
 class KVSequenceLookup(KVBagLookup):
     """The KV tables of a sequence collection, grouped (see the module docstring)."""
@@ -116,11 +124,65 @@ class KVSequenceLookup(KVBagLookup):
         """The rows of :meth:`embeddings` cut per (table, feature) in the tables'
         order (what ``EmbeddingCollection`` names ``feature`` or ``feature@table``):
         one ``[ids of the feature, dim]`` each."""
+        if not training and self._evaluates_by_key(features):
+            per_key = self._eval_by_key(features)
+            return [per_key[k] for k in self._sources(features.keys())]
         rows = self.embeddings(features, training, eviction_scores)
         if self._expands(features.keys()):
             return list(rows.split(self._counts(features)))
         pieces = rows.split(features.length_per_key())
         return [pieces[k] for k in self._sources(features.keys())]
+
+    def _evaluates_by_key(self, features: KeyedJaggedTensor) -> bool:
+        """Whether an evaluation batch is looked up in pieces of whole keys
+        (``_eval_by_key``): one group, every key read by one table at most, eager,
+        not on meta, rows of the batch above ``EVAL_PIECE_BYTES``."""
+        if len(self.groups) != 1 or self.device.type == "meta":
+            return False
+        if torch.compiler.is_compiling() or torch.jit.is_scripting():
+            return False
+        keys = features.keys()
+        if not keys or features.stride() == 0 or self._expands(keys):
+            return False
+        row_bytes = self.groups[0].dim * 4
+        return features.values().numel() * row_bytes > EVAL_PIECE_BYTES
+
+    def _eval_by_key(self, features: KeyedJaggedTensor) -> list[torch.Tensor]:
+        """Every key's rows ``[ids of the key, dim]`` (zeros for ids without a row), in
+        KJT key order, each key's ids in one fused call with the keys beside it, up to
+        ``EVAL_PIECE_BYTES`` of rows a call (a key above it alone)."""
+        ids, lengths, _ = self._checked(features)
+        plan = self._plan(features.keys(), features.stride())
+        group, table_of_bag = self.groups[0], plan.table_of_bag[0]
+        dim = group.dim
+        offsets, none = bag_offsets(lengths), ids.new_empty(0)
+        ids_per_key = features.length_per_key()
+        bag_starts = [0]
+        for bags in plan.strides:
+            bag_starts.append(bag_starts[-1] + bags)
+        id_starts = [0]
+        for n in ids_per_key:
+            id_starts.append(id_starts[-1] + n)
+        out: list[torch.Tensor] = []
+        first = 0
+        while first < len(ids_per_key):
+            last = first + 1  # keys [first, last) in this call
+            while (
+                last < len(ids_per_key)
+                and (id_starts[last + 1] - id_starts[first]) * dim * 4 <= EVAL_PIECE_BYTES
+            ):
+                last += 1
+            lo, hi = id_starts[first], id_starts[last]
+            if hi == lo:
+                rows = torch.zeros(0, dim, device=ids.device)
+            else:
+                b_lo, b_hi = bag_starts[first], bag_starts[last]
+                rows = pooled_eval(group, ids[lo:hi], offsets[b_lo : b_hi + 1] - lo,
+                                   table_of_bag[b_lo:b_hi], None, None, none,
+                                   unpooled=True)  # fmt: skip
+            out.extend(rows.split(ids_per_key[first:last]))
+            first = last
+        return out
 
     def _sources(self, keys: list[str]) -> list[int]:
         """The KJT key each (table, feature) reads, in the tables' order (see the
