@@ -5,7 +5,8 @@ same groups of tables and the same grouped ops: a sequence lookup is a pooled
 lookup whose every id is a bag of its own, so the forward gathers each id's row
 (its table's initial value where it has none in training, zeros in eval) and
 the backward reduces each row's gradient over its ids and applies the fused
-optimizer, in one call per group.
+optimizer, in one call per group (an evaluation batch above ``EVAL_PIECE_BYTES``
+of rows: one call per piece of whole keys).
 
 A feature may feed several tables, as in TorchRec's ``EmbeddingCollection``
 (outputs ``feature@table``): the j-th table reading a feature takes the j-th key
