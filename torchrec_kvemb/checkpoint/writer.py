@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from torchrec_kvemb.checkpoint.direct_file import open_for_writing
 from torchrec_kvemb.checkpoint.saved_tensor import writable_bytes
 from torchrec_kvemb.checkpoint.tensor_record import writable, write_all, write_tensor
 from torchrec_kvemb.state_dict.deferred import DeferredEntries, DeferredEntry
@@ -60,6 +61,7 @@ class RowStreamWriter(FileSystemWriter):
         deferred: DeferredEntries | None = None,
         block_bytes: int = BLOCK_BYTES,
         max_bytes_per_s: float | None = None,
+        direct: bool = True,
     ) -> None:
         super().__init__(
             path, single_file_per_rank=True, sync_files=True, thread_count=thread_count
@@ -67,6 +69,8 @@ class RowStreamWriter(FileSystemWriter):
         self.deferred = deferred if deferred is not None else DeferredEntries()
         self.block_bytes = block_bytes
         self.pace = Pace(max_bytes_per_s) if max_bytes_per_s else None
+        #: Write around the page cache where the file system allows (:mod:`.direct_file`).
+        self.direct = direct
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix
@@ -83,7 +87,7 @@ class RowStreamWriter(FileSystemWriter):
     ) -> list[WriteResult]:
         results = []
         path = self.fs.concat_path(self.path, name)
-        with open(path, "wb", buffering=0) as f:
+        with open_for_writing(path, self.direct) as f:
             for item in items:
                 offset = f.tell()
                 data = planner.resolve_data(item)
@@ -96,8 +100,7 @@ class RowStreamWriter(FileSystemWriter):
                 results.append(
                     WriteResult(index=item.index, size_in_bytes=length, storage_data=info)
                 )
-            if self.sync_files:
-                os.fsync(f.fileno())
+            f.finish(sync=self.sync_files)
         return results
 
     def _write_tensor(self, f: io.RawIOBase, tensor: torch.Tensor) -> None:
