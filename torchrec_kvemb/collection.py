@@ -10,11 +10,20 @@ Example::
               # _build_lookup(optims)
 """
 
+import contextlib
+import sys
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
+
+# why: DistributedDataParallel reads ``torch.distributed.optim`` for parameters marked
+# as optimized in backward (the tables' placeholder weights) before the first forward,
+# and fails with an AttributeError where nothing imported it; imported, the forward
+# runs and refuses DDP with the error that says what to do (refuse_data_parallel).
+with contextlib.suppress(ImportError):
+    import torch.distributed.optim  # noqa: F401
 
 from torchrec_kvemb.optimizer import FusedOptimConfig, FusedParamsError, marked_fused_params
 from torchrec_kvemb.state_dict.layout import TableLayout
@@ -122,6 +131,36 @@ class KVTablesMixin:
                     "kwargs) (torchrec_kvemb.optimizer)"
                 )
         self._marks_pending = True
+
+    @torch.compiler.disable
+    def refuse_data_parallel(self) -> None:
+        """Raise when this forward runs inside ``DistributedDataParallel`` (or FSDP's
+        wrapper): they keep replicas equal by all-reducing parameters' gradients,
+        and a KV table's rows are no parameter, so every process would train rows of
+        its own, silently unlike a replicated stock table. Checked at the first
+        eager forward (the forward calls it while ``_data_parallel_checked`` is
+        False); a collection used alone, or sharded by DMP, passes."""
+        self._data_parallel_checked = True
+        frame = sys._getframe(1)
+        for _ in range(64):  # the wrapper's forward is a few calls up
+            if frame is None:
+                return
+            owner = frame.f_locals.get("self")
+            wrapper = type(owner).__name__
+            if isinstance(owner, nn.parallel.DistributedDataParallel) or (
+                wrapper == "FullyShardedDataParallel"
+            ):
+                kind = type(self).__name__
+                raise RuntimeError(
+                    f"{kind} (tables {sorted(self._tables)}) runs inside {wrapper}, which "
+                    "replicates a model by all-reducing its parameters' gradients; KV "
+                    "tables keep their rows outside any parameter, so each process would "
+                    "train rows of its own. Shard the collection instead: "
+                    f"DistributedModelParallel(model, sharders=[{kind}Sharder(module_type="
+                    f"{kind})]) (docs/sharding.md), or run it in one process without "
+                    f"{wrapper}"
+                )
+            frame = frame.f_back
 
     @torch.compiler.disable
     def apply_marked_optimizers(self) -> None:

@@ -85,6 +85,7 @@ class KVEmbeddingBagCollection(KVTablesMixin, nn.Module):
         # state_dict: docs/checkpoint-format.md; apply_optimizer_in_backward: KVTablesMixin
         self._entries_attribute = "embedding_bags"
         self._marks_pending = False
+        self._data_parallel_checked = False
         register_unsharded_hooks(self, on_mark=self.optimizer_marked)
 
     def _build_lookup(self, optims: dict[str, FusedOptimConfig]) -> None:
@@ -161,5 +162,11 @@ class KVEmbeddingBagCollection(KVTablesMixin, nn.Module):
         :mod:`torchrec_kvemb.traceable`)."""
         if not torch.jit.is_scripting() and self._marks_pending:
             self.apply_marked_optimizers()
+        if (
+            not torch.jit.is_scripting()
+            and not torch.compiler.is_compiling()
+            and not self._data_parallel_checked
+        ):
+            self.refuse_data_parallel()
         pooled = self._pooled(features, eviction_scores)
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._dims, values=pooled)

@@ -85,6 +85,7 @@ class KVEmbeddingCollection(KVTablesMixin, nn.Module):
         # state_dict: docs/checkpoint-format.md; apply_optimizer_in_backward: KVTablesMixin
         self._entries_attribute = "embeddings"
         self._marks_pending = False
+        self._data_parallel_checked = False
         register_unsharded_hooks(self, attribute="embeddings", on_mark=self.optimizer_marked)
 
     def _build_lookup(self, optims: dict[str, FusedOptimConfig]) -> None:
@@ -119,6 +120,12 @@ class KVEmbeddingCollection(KVTablesMixin, nn.Module):
         tables with ``EvictionPolicy.CUSTOM_SCORE``."""
         if not torch.jit.is_scripting() and self._marks_pending:
             self.apply_marked_optimizers()
+        if (
+            not torch.jit.is_scripting()
+            and not torch.compiler.is_compiling()
+            and not self._data_parallel_checked
+        ):
+            self.refuse_data_parallel()
         rows = self._sequences(features, eviction_scores)
         jagged = features.to_dict()
         out: dict[str, JaggedTensor] = {}
