@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torchrec.distributed.types import ParameterSharding, ShardingEnv
+from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingEnv2D
 
 from torchrec_kvemb.optimizer import FusedOptimConfig, marked_fused_params
 from torchrec_kvemb.options import KVTableOptions, with_config_init
@@ -228,6 +228,16 @@ class KVSharderBase:
         module_fqn: str | None = None,
     ) -> nn.Module:
         """The sharded module (``sharded_module_type``) of ``module`` under ``params``."""
+        if isinstance(env, ShardingEnv2D):
+            kv = sorted(self.table_specs(module).options)
+            raise NotImplementedError(
+                f"KV tables {kv}: 2D parallelism (DMPCollection, ShardingEnv2D) is not "
+                "supported: its sync() averages stock weights by row position, and KV "
+                "replicas hold other ids in other slots, so they would drift apart "
+                "unsynchronised (the design that keeps them equal by id: "
+                "docs/sharding-design.md, '2D parallelism'). Shard with "
+                "DistributedModelParallel over one sharding group instead"
+            )
         if isinstance(module, self.kv_module):
             stored = {n: t.size for n, t in module.kv_tables().items() if t.size}
             if stored:
