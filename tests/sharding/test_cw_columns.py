@@ -1,0 +1,106 @@
+"""Column shards in one process: a table cut into column pieces, each a KV table of
+the piece's width with ``column_offset``, gives the whole table's columns.
+
+This is what COLUMN_WISE sharding of KV tables rests on: initial rows are the
+wide table's columns, and the same ids make the same slot, eviction and
+admission decisions in every piece (element-wise optimizers then give the wide
+table's rows column by column)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec import EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_kvemb import EvictionPolicy, KVEmbeddingBagCollection, KVTableOptions
+from torchrec_kvemb.contracts import InitSpec
+from torchrec_kvemb.ops.hashing import init_rows
+
+DIM = 11
+PIECES = ((0, 4), (4, 5), (9, 2))  # (first column, width): odd widths
+
+
+@pytest.mark.parametrize("kind", [0, 1, 2], ids=["uniform", "normal", "trunc_normal"])
+def test_init_rows_column_offset(kind: int) -> None:
+    ids = torch.tensor([0, 3, 7, 2**40 + 1, 2**63 - 1, 12345])
+    spec = (
+        InitSpec.trunc_normal(5, 0.0, 0.3, -0.4, 0.4)
+        if kind == 2
+        else InitSpec(5, kind, -0.5 if kind == 0 else 0.0, 0.5 if kind == 0 else 0.2)
+    )
+    wide = init_rows(ids, DIM, spec.seed, spec.normal, spec.a, spec.b)
+    for first, width in PIECES:
+        piece = init_rows(ids, width, spec.seed, spec.normal, spec.a, spec.b, first)
+        assert torch.equal(piece, wide[:, first : first + width]), (first, width)
+
+
+def test_column_offset_refused_when_negative() -> None:
+    with pytest.raises(ValueError, match="column_offset"):
+        KVTableOptions(capacity=16, column_offset=-1)
+
+
+def _kjt(step: int, n_bags: int = 7) -> KeyedJaggedTensor:
+    g = torch.Generator().manual_seed(step)
+    lengths = torch.randint(0, 4, (n_bags,), generator=g)
+    ids = torch.randint(0, 90, (int(lengths.sum()),), generator=g) * 7919
+    return KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=ids, lengths=lengths)
+
+
+def _collection(width: int, options: KVTableOptions, fused: dict) -> KVEmbeddingBagCollection:
+    config = EmbeddingBagConfig(
+        name="t", embedding_dim=width, num_embeddings=2**40, feature_names=["f"]
+    )
+    return KVEmbeddingBagCollection([config], options, fused_params=fused)
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [EmbOptimType.EXACT_SGD, EmbOptimType.ADAM],
+    ids=["sgd", "adam"],
+)
+@pytest.mark.parametrize(
+    "policy,admission",
+    [(EvictionPolicy.LRU, 1), (EvictionPolicy.LFU, 2), (EvictionPolicy.NONE, 1)],
+    ids=["lru", "lfu-admission", "none"],
+)
+def test_pieces_equal_wide_table(optimizer, policy, admission) -> None:
+    """Outputs at every step, then ids, scores and rows of every piece equal the wide
+    table's (small capacity: ids are evicted and admitted all along)."""
+    fused = {"optimizer": optimizer, "learning_rate": 0.1}
+    base = KVTableOptions(
+        capacity=32,
+        eviction=policy,
+        admission_threshold=admission,
+        seed=3,
+        init_low=-0.5,
+        init_high=0.5,
+    )
+    wide = _collection(DIM, base, fused)
+    pieces = [
+        _collection(width, replace(base, column_offset=first), fused) for first, width in PIECES
+    ]
+    for step in range(12):
+        kjt = _kjt(step)
+        out = wide(kjt).values()
+        parts = torch.cat([p(kjt).values() for p in pieces], dim=1)
+        torch.testing.assert_close(parts, out, rtol=0, atol=1e-6)
+        # The same gradient, column by column: each piece gets its columns of it.
+        ((out + parts) * (step + 1)).sum().backward()
+    # Churn happened: evictions (a full NONE table refuses new ids instead).
+    metrics = wide.table("t").metrics()
+    assert metrics["insert_failures" if policy == EvictionPolicy.NONE else "evictions"] > 0
+    whole = wide.table("t").export()
+    order = torch.argsort(whole["ids"])
+    for (first, width), p in zip(PIECES, pieces, strict=True):
+        mine = p.table("t").export()
+        mine_order = torch.argsort(mine["ids"])
+        assert torch.equal(mine["ids"][mine_order], whole["ids"][order])
+        assert torch.equal(mine["scores"][mine_order], whole["scores"][order])
+        torch.testing.assert_close(
+            mine["weights"][mine_order],
+            whole["weights"][order][:, first : first + width],
+            rtol=0,
+            atol=1e-6,
+        )
