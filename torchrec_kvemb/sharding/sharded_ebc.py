@@ -39,6 +39,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_kvemb.ebc import KVEmbeddingBagCollection
+from torchrec_kvemb.sharding.cw import KVCwPooledEmbeddingSharding
 from torchrec_kvemb.sharding.kv_embedding import (
     KVGroupedPooledEmbeddingsLookup,
     KVTableSpecs,
@@ -63,6 +64,7 @@ from torchrec_kvemb.state_dict.hooks import register_sharded_hooks
 _KV_SHARDINGS = {
     ShardingType.ROW_WISE.value: KVRwPooledEmbeddingSharding,
     ShardingType.TABLE_WISE.value: KVTwPooledEmbeddingSharding,
+    ShardingType.COLUMN_WISE.value: KVCwPooledEmbeddingSharding,
 }
 #: Sharding types a KV table may have.
 KV_SHARDING_TYPES = list(_KV_SHARDINGS)

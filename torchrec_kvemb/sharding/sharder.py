@@ -16,6 +16,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 
 from torchrec_kvemb.ebc import KVEmbeddingBagCollection
 from torchrec_kvemb.ec import KVEmbeddingCollection
+from torchrec_kvemb.sharding.sequence_shardings import KV_SEQUENCE_SHARDINGS
 from torchrec_kvemb.sharding.sharded_ebc import ShardedKVEmbeddingBagCollection
 from torchrec_kvemb.sharding.sharded_ec import ShardedKVEmbeddingCollection
 from torchrec_kvemb.sharding.sharder_base import KVSharderBase
@@ -77,6 +78,7 @@ class KVEmbeddingCollectionSharder(KVSharderBase, EmbeddingCollectionSharder):
     stock_module = EmbeddingCollection
     kv_module = KVEmbeddingCollection
     configs_method = "embedding_configs"
+    kv_sharding_types = tuple(KV_SEQUENCE_SHARDINGS)
 
     @property
     def sharded_module_type(self) -> type[ShardedKVEmbeddingCollection]:

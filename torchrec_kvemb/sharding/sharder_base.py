@@ -69,6 +69,8 @@ class KVSharderBase:
     kv_module: type[nn.Module]
     #: The method that lists a module's table configs (``embedding_bag_configs``, ...).
     configs_method: str
+    #: The sharding types the planner may give a KV table of this sharder's modules.
+    kv_sharding_types: tuple[str, ...] = tuple(KV_SHARDING_TYPES)
 
     def __init__(
         self,
@@ -135,14 +137,14 @@ class KVSharderBase:
     def sharding_types(self, compute_device_type: str) -> list[str]:
         stock = super().sharding_types(compute_device_type)
         if self.planning_kv is None:
-            return stock + [t for t in KV_SHARDING_TYPES if t not in stock]
-        return list(KV_SHARDING_TYPES) if self.planning_kv else stock
+            return stock + [t for t in self.kv_sharding_types if t not in stock]
+        return list(self.kv_sharding_types) if self.planning_kv else stock
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
         if self.planning_kv:
             return [KV_COMPUTE_KERNEL]
         stock = super().compute_kernels(sharding_type, compute_device_type)
-        if self.planning_kv is None and sharding_type in KV_SHARDING_TYPES:
+        if self.planning_kv is None and sharding_type in self.kv_sharding_types:
             return stock + [KV_COMPUTE_KERNEL]
         return stock
 
