@@ -49,6 +49,7 @@ from torchrec_kvemb.state_dict.rows import (
     ROW_KEYS,
     TableRows,
     restore_table,
+    select_columns,
     table_state,
 )
 from torchrec_kvemb.state_dict.sharded import sharded_entries
@@ -176,9 +177,15 @@ def _owned_rows(layout: TableLayout, entries: dict[str, Any]) -> TableRows | Non
     bucket = entries.get("bucket")
     if not shard and type(bucket) is torch.Tensor and not bucket.is_meta:
         check_bucket_counts(layout.name, rows.ids, bucket)
+    if shard and layout.columns is not None:
+        _refuse_shard(
+            layout,
+            "is a column-wise shard: a column shard's ShardedTensors hold its columns and "
+            "the first shard's ids only",
+        )
     if shard:
         _check_shard(layout, rows, entries.get("bucket"))
-    rows = rows.select(layout.owns(rows.ids))
+    rows = select_columns(rows.select(layout.owns(rows.ids)), layout.columns)
     if rows.admission is not None:
         keep = layout.owns(rows.admission[0])
         rows.admission = tuple(t[keep] for t in rows.admission)
