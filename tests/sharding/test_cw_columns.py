@@ -7,6 +7,7 @@ admission decisions in every piece (element-wise optimizers then give the wide
 table's rows column by column)."""
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,9 +15,19 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_kvemb import EvictionPolicy, KVEmbeddingBagCollection, KVTableOptions
+from torchrec_kvemb import (
+    EvictionPolicy,
+    FusedOptimConfig,
+    HostTierOptions,
+    KVEmbeddingBagCollection,
+    KVTableOptions,
+    SSDOptions,
+)
 from torchrec_kvemb.contracts import InitSpec
+from torchrec_kvemb.memory import resolve_capacity
 from torchrec_kvemb.ops.hashing import init_rows
+from torchrec_kvemb.sharding.cw import check_column_shards
+from torchrec_kvemb.sharding.cw_columns import column_shard_options
 
 DIM = 11
 PIECES = ((0, 4), (4, 5), (9, 2))  # (first column, width): odd widths
@@ -104,3 +115,43 @@ def test_pieces_equal_wide_table(optimizer, policy, admission) -> None:
             rtol=0,
             atol=1e-6,
         )
+
+
+# ------------------------------------------------------- column shard options
+def test_column_shard_options_keep_the_table_options() -> None:
+    options = KVTableOptions(capacity=100, eviction=EvictionPolicy.LFU, seed=9)
+    shard = column_shard_options(options, "t", dim=11, first_col=4)
+    assert shard == replace(options, column_offset=4)
+
+
+def test_memory_budget_becomes_one_capacity_for_every_shard() -> None:
+    """Shards of different widths must hold the same rows: the budget is read at the
+    table's whole width, and each shard gets that capacity."""
+    options = KVTableOptions(memory_budget_bytes=200_000)
+    adam = FusedOptimConfig.from_fused_params({"optimizer": EmbOptimType.ADAM})
+    want = resolve_capacity(options, 11, adam.state_dim(11))
+    shards = [column_shard_options(options, "t", 11, c, adam) for c in (0, 6)]
+    assert {s.capacity for s in shards} == {want}
+    assert all(s.memory_budget_bytes is None for s in shards)
+
+
+@pytest.mark.parametrize(
+    "tier",
+    [{"ssd": SSDOptions(path="/tmp/unused")}, {"host_tier": HostTierOptions(capacity=64)}],
+    ids=["ssd", "host"],
+)
+def test_tiered_tables_are_refused(tier) -> None:
+    options = KVTableOptions(capacity=32, **tier)
+    with pytest.raises(ValueError, match="table 'big': column-wise KV tables take no lower tier"):
+        column_shard_options(options, "big", 8, 4)
+
+
+def test_two_column_shards_on_one_rank_are_refused() -> None:
+    info = SimpleNamespace(
+        param_sharding=SimpleNamespace(ranks=[0, 1, 0]),
+        embedding_config=SimpleNamespace(name="user"),
+    )
+    with pytest.raises(ValueError, match=r"table 'user'.*ranks \[0\] hold several"):
+        check_column_shards([info], world_size=2)
+    info.param_sharding.ranks = [1, 0]
+    check_column_shards([info], world_size=2)
