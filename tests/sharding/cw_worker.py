@@ -63,6 +63,7 @@ from torchrec_kvemb import (
     checkpoint,
 )
 from torchrec_kvemb.sharding import ShardedKVEmbeddingBagCollection
+from torchrec_kvemb.state_dict.checks import CheckpointError
 
 STEPS = 6
 TOL = 1e-5
@@ -336,42 +337,49 @@ def rowwise_adagrad_scenario() -> dict:
     return tally.result()
 
 
-def load_scenario(work: Path) -> dict:
-    """The 2-rank job's checkpoint, loaded here into every sharding and unsharded."""
+def check_loaded(tally: Tally, label: str, dmp, twin: dict, kinds: dict[str, str]) -> None:
+    """Every shard of ``dmp`` holds its ids and columns of the saved rows (``twin``)."""
+    held = {n: 0 for n in OPTIONS}
+    for n, table in dmp.module.ebc.kv_tables().items():
+        first, width = shard_piece(table)
+        mine, want = table.export(), twin[n]
+        keep = torch.isin(want["ids"], mine["ids"])
+        tally.exact(f"{label} {n} ids", mine["ids"], want["ids"][keep])
+        tally.exact(f"{label} {n} scores", mine["scores"], want["scores"][keep])
+        if mine["ids"].shape != want["ids"][keep].shape:
+            continue
+        cols = slice(first, first + width)
+        tally.diff("loaded rows", mine["weights"], want["weights"][keep][:, cols])
+        for key in ("exp_avg", "exp_avg_sq"):
+            tally.diff("loaded adam state", mine[key], want[key][keep][:, cols])
+        held[n] = mine["ids"].numel()
+    totals = {n: 0 for n in OPTIONS}
+    for part in gather(held):
+        for n, v in part.items():
+            totals[n] += v
+    for n in OPTIONS:
+        copies = dist.get_world_size() if kinds.get(n, "column_wise") == "column_wise" else 1
+        tally.check(
+            f"{label} {n}: every saved id loaded", totals[n] == copies * twin[n]["ids"].numel()
+        )
+
+
+def load_scenario(work: Path, save: Path) -> dict:
+    """The 2-rank job's checkpoint (in ``work``) loaded here into every sharding and
+    unsharded; a row-wise checkpoint and plain tensors loaded into column shards."""
     twin = torch.load(work / "twin.pt")
     tally = Tally(TOL)
-    for kinds in (
-        {},
-        {"wide": "row_wise", "narrow": "table_wise"},
-        {"wide": "table_wise", "narrow": "row_wise"},
-    ):
+    mixed = {"wide": "row_wise", "narrow": "table_wise"}
+    for kinds in ({}, mixed, {"wide": "table_wise", "narrow": "row_wise"}):
         dmp, _ = build_sharded(ADAM, kinds, LOAD_OPTIONS)
         checkpoint.load(dmp, str(work / "cw_ckpt"))
         label = "column_wise" if not kinds else "+".join(f"{k}:{v}" for k, v in kinds.items())
-        held = {n: 0 for n in OPTIONS}
-        for n, table in dmp.module.ebc.kv_tables().items():
-            first, width = shard_piece(table)
-            mine, want = table.export(), twin[n]
-            keep = torch.isin(want["ids"], mine["ids"])
-            tally.exact(f"{label} {n} ids", mine["ids"], want["ids"][keep])
-            tally.exact(f"{label} {n} scores", mine["scores"], want["scores"][keep])
-            if mine["ids"].shape != want["ids"][keep].shape:
-                continue
-            cols = slice(first, first + width)
-            tally.diff("loaded rows", mine["weights"], want["weights"][keep][:, cols])
-            for key in ("exp_avg", "exp_avg_sq"):
-                tally.diff("loaded adam state", mine[key], want[key][keep][:, cols])
-            held[n] = mine["ids"].numel()
-        totals = {n: 0 for n in OPTIONS}
-        for part in gather(held):
-            for n, v in part.items():
-                totals[n] += v
-        for n in OPTIONS:
-            kind = kinds.get(n, "column_wise")
-            copies = dist.get_world_size() if kind == "column_wise" else 1
-            tally.check(
-                f"{label} {n}: every saved id loaded", totals[n] == copies * twin[n]["ids"].numel()
-            )
+        check_loaded(tally, label, dmp, twin, kinds)
+        if kinds == mixed:  # its own checkpoint, row-wise and table-wise, into column shards
+            checkpoint.save(dmp, str(save / "rw_ckpt"))
+            cw, _ = build_sharded(ADAM, {}, LOAD_OPTIONS)
+            checkpoint.load(cw, str(save / "rw_ckpt"))
+            check_loaded(tally, "row-wise checkpoint into column_wise", cw, twin, {})
     unsharded = KVEmbeddingBagCollection(CONFIGS, LOAD_OPTIONS, fused_params=ADAM)
     checkpoint.load(EBCModel(unsharded), str(work / "cw_ckpt"))
     for n in OPTIONS:
@@ -380,6 +388,18 @@ def load_scenario(work: Path) -> dict:
         if mine["ids"].shape == want["ids"].shape:
             tally.diff("loaded rows", mine["weights"], want["weights"])
             tally.diff("loaded adam state", mine["exp_avg_sq"], want["exp_avg_sq"])
+    # load_state_dict: whole plain tensors (an unsharded state_dict) give each column
+    # shard its columns; a column-wise state_dict's own shards are refused.
+    cw, _ = build_sharded(ADAM, {}, LOAD_OPTIONS)
+    cw.load_state_dict(EBCModel(unsharded).state_dict(), strict=False)
+    check_loaded(tally, "plain tensors into column_wise", cw, twin, {})
+    try:
+        cw.load_state_dict(cw.state_dict(), strict=False)
+        refused = ""
+    except CheckpointError as e:
+        refused = str(e)
+    tally.check("column shards refused by load_state_dict", "column-wise shard" in refused)
+    tally.check("the refusal names the table", "table 'wide'" in refused)
     return tally.result()
 
 
@@ -393,7 +413,7 @@ def main() -> None:
         "rowwise_adagrad": rowwise_adagrad_scenario,
     }
     if load is not None:
-        scenarios["load"] = lambda: load_scenario(load)
+        scenarios["load"] = lambda: load_scenario(load, save)
     if len(sys.argv) > 4:
         scenarios = {k: v for k, v in scenarios.items() if k in sys.argv[4].split(",")}
     with gloo_job():
