@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
-from torchrec import EmbeddingBagConfig
+from torchrec import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.distributed.types import ParameterSharding
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvemb import (
@@ -20,6 +21,8 @@ from torchrec_kvemb import (
     FusedOptimConfig,
     HostTierOptions,
     KVEmbeddingBagCollection,
+    KVEmbeddingBagCollectionSharder,
+    KVEmbeddingCollectionSharder,
     KVTableOptions,
     SSDOptions,
 )
@@ -28,6 +31,8 @@ from torchrec_kvemb.memory import resolve_capacity
 from torchrec_kvemb.ops.hashing import init_rows
 from torchrec_kvemb.sharding.cw import check_column_shards
 from torchrec_kvemb.sharding.cw_columns import column_shard_options
+from torchrec_kvemb.sharding.planner import check_plan
+from torchrec_kvemb.sharding.sequence_shardings import KV_SEQUENCE_SHARDINGS
 
 DIM = 11
 PIECES = ((0, 4), (4, 5), (9, 2))  # (first column, width): odd widths
@@ -155,3 +160,22 @@ def test_two_column_shards_on_one_rank_are_refused() -> None:
         check_column_shards([info], world_size=2)
     info.param_sharding.ranks = [1, 0]
     check_column_shards([info], world_size=2)
+
+
+def test_sequence_tables_are_not_planned_or_sharded_column_wise() -> None:
+    """Column-wise is for bags: the sequence sharder does not offer it to KV tables,
+    and a plan that gives it one is refused by name."""
+    sharder = KVEmbeddingCollectionSharder({"items": KVTableOptions(capacity=64)})
+    assert "column_wise" not in sharder.kv_sharding_types
+    assert (
+        "column_wise"
+        in KVEmbeddingBagCollectionSharder({"t": KVTableOptions(capacity=64)}).kv_sharding_types
+    )
+    config = EmbeddingConfig(name="items", embedding_dim=8, num_embeddings=100, feature_names=["i"])
+    plan = {
+        "items": ParameterSharding(
+            sharding_type="column_wise", compute_kernel="customized_kernel", ranks=[0, 1]
+        )
+    }
+    with pytest.raises(ValueError, match="table 'items': KV tables shard row_wise or table_wise"):
+        check_plan({"items"}, [config], plan, list(KV_SEQUENCE_SHARDINGS))
