@@ -12,7 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
-from torchrec import EmbeddingBagConfig, EmbeddingConfig
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingConfig
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import ParameterSharding
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -179,3 +181,25 @@ def test_sequence_tables_are_not_planned_or_sharded_column_wise() -> None:
     }
     with pytest.raises(ValueError, match="table 'items': KV tables shard row_wise or table_wise"):
         check_plan({"items"}, [config], plan, list(KV_SEQUENCE_SHARDINGS))
+
+
+def test_stock_planner_plans_kv_tables_column_wise() -> None:
+    """Constrained column-wise, the stock planner cuts a KV table's columns with the KV
+    kernel (the storage stand-in keeps the table's width), one shard per rank."""
+    configs = [
+        EmbeddingBagConfig(name="kv", embedding_dim=64, num_embeddings=2**40, feature_names=["f"]),
+        EmbeddingBagConfig(name="stock", embedding_dim=8, num_embeddings=100, feature_names=["s"]),
+    ]
+    model = nn.Module()
+    model.ebc = EmbeddingBagCollection(configs, device=torch.device("meta"))
+    sharder = KVEmbeddingBagCollectionSharder({"kv": KVTableOptions(capacity=1000)})
+    constraints = {"kv": ParameterConstraints(sharding_types=["column_wise"], min_partition=32)}
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=2, compute_device="cpu"), constraints=constraints
+    )
+    ps = planner.plan(model, [sharder]).plan["ebc"]["kv"]
+    assert (ps.sharding_type, ps.compute_kernel) == ("column_wise", "customized_kernel")
+    shards = ps.sharding_spec.shards
+    assert [s.shard_offsets[1] for s in shards] == [0, 32]
+    assert [s.shard_sizes[1] for s in shards] == [32, 32]
+    assert sorted(ps.ranks) == [0, 1]
