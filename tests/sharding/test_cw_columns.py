@@ -164,23 +164,21 @@ def test_two_column_shards_on_one_rank_are_refused() -> None:
     check_column_shards([info], world_size=2)
 
 
-def test_sequence_tables_are_not_planned_or_sharded_column_wise() -> None:
-    """Column-wise is for bags: the sequence sharder does not offer it to KV tables,
-    and a plan that gives it one is refused by name."""
-    sharder = KVEmbeddingCollectionSharder({"items": KVTableOptions(capacity=64)})
-    assert "column_wise" not in sharder.kv_sharding_types
-    assert (
-        "column_wise"
-        in KVEmbeddingBagCollectionSharder({"t": KVTableOptions(capacity=64)}).kv_sharding_types
-    )
-    config = EmbeddingConfig(name="items", embedding_dim=8, num_embeddings=100, feature_names=["i"])
+def test_both_sharders_offer_column_wise() -> None:
+    """Bags and sequences: column-wise is offered to KV tables and accepted in a plan."""
+    bags = KVEmbeddingBagCollectionSharder({"t": KVTableOptions(capacity=64)})
+    sequences = KVEmbeddingCollectionSharder({"items": KVTableOptions(capacity=64)})
+    assert "column_wise" in bags.kv_sharding_types
+    assert "column_wise" in sequences.kv_sharding_types
+    configs = [
+        EmbeddingConfig(name="items", embedding_dim=8, num_embeddings=100, feature_names=["i"])
+    ]
     plan = {
         "items": ParameterSharding(
             sharding_type="column_wise", compute_kernel="customized_kernel", ranks=[0, 1]
         )
     }
-    with pytest.raises(ValueError, match="table 'items': KV tables shard row_wise or table_wise"):
-        check_plan({"items"}, [config], plan, list(KV_SEQUENCE_SHARDINGS))
+    check_plan({"items"}, configs, plan, list(KV_SEQUENCE_SHARDINGS))  # accepted
 
 
 def test_stock_planner_plans_kv_tables_column_wise() -> None:

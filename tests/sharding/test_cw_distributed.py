@@ -1,5 +1,6 @@
-"""Column-wise KV tables: torchrun twins on gloo (2 and 3 ranks) against unsharded
-collections, and their checkpoint loaded at 1 and 3 processes and into row-wise.
+"""Column-wise KV tables (bags and sequences): torchrun twins on gloo (2 and 3 ranks)
+against unsharded collections, and their checkpoint loaded at 1 and 3 processes and
+into row-wise.
 
 Two jobs (``tests/sharding/cw_worker.py``): 2 ranks train the twins and save a
 checkpoint; 3 ranks train them too and load the 2-rank checkpoint column-wise,
@@ -28,13 +29,11 @@ def saved_by_two_ranks(tmp_path_factory) -> dict:
 def test_two_ranks_match_the_unsharded_twins(saved_by_two_ranks) -> None:
     run = saved_by_two_ranks
     assert run["result"]["world_size"] == 2
-    assert_scenarios_passed(run["result"], run["job"], {"adam", "rowwise_adagrad"})
+    assert_scenarios_passed(run["result"], run["job"], {"adam", "rowwise_adagrad", "sequence"})
     # Bit for bit at 2 ranks (gradient division by 2 is exact).
-    assert run["result"]["scenarios"]["adam"]["max_abs_diff"] == {
-        "adam state": 0.0,
-        "outputs": 0.0,
-        "rows": 0.0,
-    }
+    scenarios = run["result"]["scenarios"]
+    assert scenarios["adam"]["max_abs_diff"] == {"adam state": 0.0, "outputs": 0.0, "rows": 0.0}
+    assert scenarios["sequence"]["max_abs_diff"] == {"outputs": 0.0, "rows": 0.0}
 
 
 def test_three_ranks_match_and_load_the_two_rank_checkpoint(saved_by_two_ranks, tmp_path) -> None:
@@ -44,7 +43,7 @@ def test_three_ranks_match_and_load_the_two_rank_checkpoint(saved_by_two_ranks, 
     )
     result = read_result(out, job)
     assert result["world_size"] == 3
-    assert_scenarios_passed(result, job, {"adam", "rowwise_adagrad", "load"})
+    assert_scenarios_passed(result, job, {"adam", "rowwise_adagrad", "sequence", "load"})
 
 
 def test_checkpoint_loads_in_one_process(saved_by_two_ranks) -> None:
