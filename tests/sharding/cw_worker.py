@@ -409,7 +409,7 @@ def load_scenario(work: Path, save: Path) -> dict:
     return tally.result()
 
 
-def sequence_scenario() -> dict:
+def sequence_scenario(work: Path) -> dict:
     """An ``EmbeddingCollection`` whose KV tables are column-wise (two shards of 4 of
     8 columns, out of rank order; at 3 ranks one rank holds none) beside a stock
     table-wise table, against the unsharded ``KVEmbeddingCollection`` (SGD: fbgemm's
@@ -454,6 +454,16 @@ def sequence_scenario() -> dict:
         evictions += ref.table(n).metrics()["evictions"]
     tally.check("ids were evicted", evictions > 0)
     compare_columns(tally, local, ref)
+    # Its checkpoint, loaded into an unsharded collection: the whole rows.
+    path = str(work / "seq_ckpt")
+    checkpoint.save(dmp, path)
+    loaded = KVEmbeddingCollection(seq.kv_configs(), options, fused_params=seq.SGD)
+    checkpoint.load(seq.ECModel(loaded), path)
+    for n in options:
+        got, want = loaded.table(n).export(), ref.table(n).export()
+        tally.exact(f"sequence checkpoint {n} ids", got["ids"], want["ids"])
+        if got["ids"].shape == want["ids"].shape:
+            tally.diff("sequence checkpoint rows", got["weights"], want["weights"])
     return tally.result()
 
 
@@ -465,7 +475,7 @@ def main() -> None:
     scenarios: dict[str, Callable[[], dict]] = {
         "adam": adam_scenario(save),
         "rowwise_adagrad": rowwise_adagrad_scenario,
-        "sequence": sequence_scenario,
+        "sequence": lambda: sequence_scenario(save),
     }
     if load is not None:
         scenarios["load"] = lambda: load_scenario(load, save)

@@ -33,7 +33,7 @@ def test_two_ranks_match_the_unsharded_twins(saved_by_two_ranks) -> None:
     # Bit for bit at 2 ranks (gradient division by 2 is exact).
     scenarios = run["result"]["scenarios"]
     assert scenarios["adam"]["max_abs_diff"] == {"adam state": 0.0, "outputs": 0.0, "rows": 0.0}
-    assert scenarios["sequence"]["max_abs_diff"] == {"outputs": 0.0, "rows": 0.0}
+    assert set(scenarios["sequence"]["max_abs_diff"].values()) == {0.0}
 
 
 def test_three_ranks_match_and_load_the_two_rank_checkpoint(saved_by_two_ranks, tmp_path) -> None:
