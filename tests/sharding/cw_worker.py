@@ -454,6 +454,21 @@ def sequence_scenario(work: Path) -> dict:
         evictions += ref.table(n).metrics()["evictions"]
     tally.check("ids were evicted", evictions > 0)
     compare_columns(tally, local, ref)
+    # Column shards of two widths in one sequence collection: refused, naming them.
+    uneven = {n: column_wise(size_per_rank=[3, 5], compute_kernel=KV_KERNEL) for n in options}
+    uneven["stock"] = table_wise(rank=0, compute_kernel="fused")
+    other = seq.ECModel(EmbeddingCollection(seq.kv_configs() + [seq.STOCK], device=META))
+    uneven_plan = construct_module_sharding_plan(
+        other.ec, uneven, sharder=sharder, local_size=world, world_size=world, device_type="cpu"
+    )
+    try:
+        DistributedModelParallel(
+            other, device=CPU, plan=ShardingPlan({"ec": uneven_plan}), sharders=[sharder]
+        )
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    tally.check("column shards of two widths refused", "shards of one width" in refused)
     # Its checkpoint, loaded into an unsharded collection: the whole rows.
     path = str(work / "seq_ckpt")
     checkpoint.save(dmp, path)
