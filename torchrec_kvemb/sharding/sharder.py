@@ -3,7 +3,7 @@
 Hand them to DMP (and to the planner) in place of TorchRec's
 ``EmbeddingBagCollectionSharder`` / ``EmbeddingCollectionSharder``. Tables they
 have ``KVTableOptions`` for become KV tables (compute kernel
-``customized_kernel``, sharded row-wise or table-wise); the others are sharded
+``customized_kernel``, sharded row-wise, table-wise or column-wise); the others are sharded
 exactly as the stock sharder would. Planning answers per table
 (:mod:`.sharder_base`).
 """
@@ -24,7 +24,7 @@ from torchrec_kvemb.sharding.sharder_base import KVSharderBase
 
 class KVEmbeddingBagCollectionSharder(KVSharderBase, EmbeddingBagCollectionSharder):
     """Shards an ``EmbeddingBagCollection`` whose tables named in ``table_options`` are
-    KV tables (row-wise or table-wise); the other tables stay stock.
+    KV tables (row-wise, table-wise or column-wise); the other tables stay stock.
 
     * ``table_options``: ``KVTableOptions`` by table name. ``capacity`` /
       ``memory_budget_bytes`` are per table: a row-wise shard gets ``1 / W`` of
@@ -59,7 +59,7 @@ class KVEmbeddingBagCollectionSharder(KVSharderBase, EmbeddingBagCollectionShard
 
 class KVEmbeddingCollectionSharder(KVSharderBase, EmbeddingCollectionSharder):
     """Shards an ``EmbeddingCollection`` (sequence embeddings: one row per id) whose
-    tables named in ``table_options`` are KV tables (row-wise or table-wise); the
+    tables named in ``table_options`` are KV tables (row-wise, table-wise or column-wise); the
     other tables stay stock. Arguments as for
     :class:`KVEmbeddingBagCollectionSharder`; ``module_type`` is
     ``EmbeddingCollection`` (default) or ``KVEmbeddingCollection``.

@@ -5,7 +5,7 @@ The planner asks a sharder for sharding types and kernels without naming the
 table (``sharding_types(device)``, ``compute_kernels(type, device)``), but asks
 inside its loop over ``shardable_parameters(module).items()``. That mapping
 tells the sharder which table the loop is on, so the answers are per table:
-``[row_wise, table_wise]`` x ``[customized_kernel]`` for KV tables, the stock
+``[row_wise, table_wise, column_wise]`` x ``[customized_kernel]`` for KV tables, the stock
 answers for the others.
 """
 
@@ -52,7 +52,7 @@ class TablesInPlanning(dict):
 
 class KVSharderBase:
     """Mixed in before a stock TorchRec sharder (bag or sequence collection): KV
-    tables by name, planned ``customized_kernel`` row-wise or table-wise.
+    tables by name, planned ``customized_kernel`` row-wise, table-wise or column-wise.
 
     Subclasses name their module types (``stock_module``, ``kv_module``), the
     method that lists a module's table configs (``configs_method``) and the
