@@ -276,6 +276,7 @@ def group_insert_kernel(
     init_normal_ptr,
     init_a_ptr,
     init_b_ptr,
+    init_col_ptr,
     step_ptr,
     n,
     dim,
@@ -397,10 +398,11 @@ def group_insert_kernel(
                 normal = tl.load(init_normal_ptr + per_row)
                 a = tl.load(init_a_ptr + per_row)
                 b = tl.load(init_b_ptr + per_row)
+                first_col = tl.load(init_col_ptr + per_row)
                 for d0 in range(0, dim, BLOCK_D):
                     cols = d0 + tl.arange(0, BLOCK_D)
                     mask = won[:, None] & (cols < dim)[None, :]
-                    rows = init_values_any(cand_key, cols, seed, normal, a, b)
+                    rows = init_values_any(cand_key, cols, seed, normal, a, b, first_col)
                     rows = round_to(rows, weights_ptr.dtype.element_ty)
                     tl.store(weights_ptr + slot[:, None] * dim + cols[None, :], rows, mask=mask)
                 for d0 in range(0, state_dim, BLOCK_D):
@@ -572,6 +574,7 @@ def group_lookup_train_triton(
             layout.init_normal,
             layout.init_a,
             layout.init_b,
+            layout.init_col,
             step,
             n,
             dim,

@@ -61,6 +61,7 @@ def group_pooled_fwd_kernel(
     init_normal_ptr,
     init_a_ptr,
     init_b_ptr,
+    init_col_ptr,
     out_ptr,
     dim,
     HAS_SCALE: tl.constexpr,
@@ -95,7 +96,8 @@ def group_pooled_fwd_kernel(
                 normal = tl.load(init_normal_ptr + t)
                 a = tl.load(init_a_ptr + t)
                 b = tl.load(init_b_ptr + t)
-                init = init_values_any(ids, cols, seed, normal, a, b)
+                first_col = tl.load(init_col_ptr + t)
+                init = init_values_any(ids, cols, seed, normal, a, b, first_col)
                 rows = tl.where(missing[:, None], init, rows)
         if HAS_SCALE:
             scale = tl.load(scale_ptr + idx, mask=mask, other=0.0).to(tl.float32)
@@ -273,6 +275,7 @@ def group_pooled_forward_triton(
         layout.init_normal,
         layout.init_a,
         layout.init_b,
+        layout.init_col,
         out,
         dim,
         HAS_SCALE=bags.scale is not None,

@@ -83,14 +83,16 @@ def trunc_normal_values(u, a, b):
 
 
 @triton.jit
-def init_values_any(ids, cols, seed_mix, normal, a, b):
+def init_values_any(ids, cols, seed_mix, normal, a, b, first_col):
     """Initial values (``ops.hashing.init_rows``) of ids of several tables:
     ``seed_mix``, ``normal`` (the kind of draw: 0 uniform, 1 normal, 2 truncated
-    normal) and float64 ``a``, ``b`` are per id, rounded as the torch path rounds
-    them (``b - a`` and ``a`` to float32). Values of ``ids[:, None]`` x ``cols[None, :]``."""
+    normal), float64 ``a``, ``b`` and ``first_col`` (a column shard's first column)
+    are per id, rounded as the torch path rounds them (``b - a`` and ``a`` to
+    float32). Values of ``ids[:, None]`` x ``(first_col[:, None] + cols[None, :])``."""
     base = fmix64(ids ^ seed_mix)
-    step = (cols + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
-    mixed = base.to(tl.uint64, bitcast=True)[:, None] + step[None, :]
+    col = first_col.to(tl.int64)[:, None] + cols.to(tl.int64)[None, :]
+    step = (col + 1).to(tl.uint64, bitcast=True) * 0x9E3779B97F4A7C15
+    mixed = base.to(tl.uint64, bitcast=True)[:, None] + step
     bits = fmix64(mixed.to(tl.int64, bitcast=True))
     u1 = ((bits >> 40) & 0xFFFFFF).to(tl.float32) * (1.0 / 16777216.0)
     u2 = ((bits >> 16) & 0xFFFFFF).to(tl.float32) * (1.0 / 16777216.0)

@@ -138,12 +138,21 @@ class InitSpec(NamedTuple):
     normal: int
     a: float
     b: float
+    #: The table's first column in the initial-value streams: a column shard of a
+    #: wider table draws that table's columns ``[first_col, first_col + dim)``.
+    first_col: int = 0
 
     @classmethod
-    def trunc_normal(cls, seed: int, mean: float, std: float, low: float, high: float) -> InitSpec:
+    def trunc_normal(
+        cls, seed: int, mean: float, std: float, low: float, high: float, first_col: int = 0
+    ) -> InitSpec:
         """The spec of N(mean, std) truncated to [low, high] (float32 parameters)."""
         return cls(
-            seed, INIT_TRUNC_NORMAL, pack_float32_pair(mean, std), pack_float32_pair(low, high)
+            seed,
+            INIT_TRUNC_NORMAL,
+            pack_float32_pair(mean, std),
+            pack_float32_pair(low, high),
+            first_col,
         )
 
     @property
@@ -311,8 +320,11 @@ class GroupLayout:
     init_normal: torch.Tensor  # [T] int64: the kind of draw, INIT_UNIFORM / NORMAL / TRUNC_NORMAL
     init_a: torch.Tensor  # [T] float64: InitSpec.a (low, mean, or packed mean and std)
     init_b: torch.Tensor  # [T] float64: InitSpec.b (high, std, or packed bounds)
+    init_col: torch.Tensor  # [T] int64: InitSpec.first_col (0 but for column shards)
     has_admission: bool  # some table admits ids after several sightings
-    has_normal: bool  # some table draws its initial rows otherwise than uniformly
+    #: some table draws its initial rows otherwise than uniformly from column 0 (the
+    #: native kernels draw those; the others' new rows are drawn by the torch path)
+    has_normal: bool
 
     #: The tensor fields in the order the grouped ops take them (``tensors()``).
     TENSORS = (
@@ -327,6 +339,7 @@ class GroupLayout:
         "init_normal",
         "init_a",
         "init_b",
+        "init_col",
     )
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -349,9 +362,10 @@ class GroupLayout:
             self.init_normal.tolist(),
             self.init_a.tolist(),
             self.init_b.tolist(),
+            self.init_col.tolist(),
             strict=True,
         )
-        return tuple(InitSpec(seed, int(normal), a, b) for seed, normal, a, b in rows)
+        return tuple(InitSpec(s, int(normal), a, b, col) for s, normal, a, b, col in rows)
 
     @classmethod
     def of(
@@ -400,8 +414,9 @@ class GroupLayout:
             init_normal=ints([int(s.normal) for s in init]),
             init_a=floats([s.a for s in init]),
             init_b=floats([s.b for s in init]),
+            init_col=ints([s.first_col for s in init]),
             has_admission=any(t > 1 for t in thresholds),
-            has_normal=any(int(s.normal) != INIT_UNIFORM for s in init),
+            has_normal=any(int(s.normal) != INIT_UNIFORM or s.first_col for s in init),
         )
 
     @classmethod
@@ -447,17 +462,23 @@ class GroupLayout:
 
 def init_spec(options: Any) -> InitSpec:
     """The ``InitSpec`` of a table built from ``KVTableOptions``."""
+    col = options.column_offset
     if options.initializer == Initializer.NORMAL:
-        return InitSpec(options.seed, INIT_NORMAL, options.init_mean, options.init_std)
+        return InitSpec(options.seed, INIT_NORMAL, options.init_mean, options.init_std, col)
     if options.initializer == Initializer.TRUNC_NORMAL:
         return InitSpec.trunc_normal(
-            options.seed, options.init_mean, options.init_std, options.init_low, options.init_high
+            options.seed,
+            options.init_mean,
+            options.init_std,
+            options.init_low,
+            options.init_high,
+            col,
         )
     if options.init_low is None:  # made without a config: the plain default
         low, high = -DEFAULT_INIT_RANGE, DEFAULT_INIT_RANGE
     else:
         low, high = options.init_low, options.init_high
-    return InitSpec(options.seed, INIT_UNIFORM, low, high)
+    return InitSpec(options.seed, INIT_UNIFORM, low, high, col)
 
 
 def run_of_each(lengths: torch.Tensor, n: int) -> torch.Tensor:

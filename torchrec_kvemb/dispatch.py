@@ -150,8 +150,8 @@ def scatter_rows(dest: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) ->
 def init_rows(ids: torch.Tensor, dim: int, spec: InitSpec) -> torch.Tensor:
     """Initial rows ``[len(ids), dim]`` of ``ids`` by ``spec`` (``ops.hashing.init_rows``)."""
     op = registered("init_rows", ids.device)
-    if op is None or not _ids64(ids):
-        return hashing.init_rows(ids, dim, spec.seed, spec.normal, spec.a, spec.b)
+    if op is None or not _ids64(ids) or spec.first_col:  # column shards: the torch path
+        return hashing.init_rows(ids, dim, spec.seed, spec.normal, spec.a, spec.b, spec.first_col)
     return op(ids.contiguous(), dim, spec.seed, spec.normal, spec.a, spec.b)
 
 
@@ -313,7 +313,10 @@ def group_pooled_eval(
 
 
 def _init_tensors(layout: GroupLayout) -> tuple[torch.Tensor, ...]:
-    return layout.seed, layout.seed_mix, layout.init_normal, layout.init_a, layout.init_b
+    return (
+        layout.seed, layout.seed_mix, layout.init_normal, layout.init_a, layout.init_b,
+        layout.init_col,
+    )  # fmt: skip
 
 
 def group_pooled_forward(

@@ -279,6 +279,11 @@ class KVTableOptions:
     #: (``torchrec_kvemb.prune``): 16 bytes a row. An LFU table's scores count
     #: them already (nothing more is kept).
     count_sightings: bool = False
+    #: The table's first column in the initial-row streams (rows are a function of
+    #: (id, seed, column)): a column shard of a wider table, ``dim`` columns from
+    #: ``column_offset`` on, draws exactly that table's columns. 0 but for the
+    #: column shards COLUMN_WISE sharding builds.
+    column_offset: int = 0
 
     @property
     def tiered(self) -> bool:
@@ -314,6 +319,10 @@ class KVTableOptions:
             )
 
     def __post_init__(self) -> None:
+        if not isinstance(self.column_offset, int) or self.column_offset < 0:
+            raise ValueError(
+                f"KVTableOptions: column_offset must be an int >= 0, got {self.column_offset!r}"
+            )
         if self.weights_dtype not in ROW_DTYPES:
             raise ValueError(
                 f"KVTableOptions: weights_dtype must be one of "

@@ -33,8 +33,14 @@ OPTIONS = (
         capacity=WAYS, seed=5, initializer=Initializer.TRUNC_NORMAL, init_mean=-1.5,
         init_std=0.75, init_low=-1.0, init_high=0.5,
     ),
+    KVTableOptions(capacity=WAYS, seed=11, init_low=-0.25, init_high=0.75, column_offset=7),
+    KVTableOptions(
+        capacity=WAYS, seed=3, initializer=Initializer.NORMAL, init_mean=0.5, init_std=2.0,
+        column_offset=5,
+    ),
 )  # fmt: skip
-NAMES = ("uniform", "constant", "normal", "trunc-normal", "trunc-normal-off-centre")
+NAMES = ("uniform", "constant", "normal", "trunc-normal", "trunc-normal-off-centre",
+         "uniform-column-shard", "normal-column-shard")  # fmt: skip
 
 
 @pytest.mark.parametrize("dim", [3, 37], ids=lambda d: f"dim{d}")
@@ -56,8 +62,8 @@ def test_missing_rows_pool_as_each_tables_initial_rows(dim: int, device: torch.d
     layout = layout.to("cpu")
     for t, spec in enumerate(layout.init_specs):
         mine = table_idx == t
-        want = init_rows(ids[mine], dim, spec.seed, spec.normal, spec.a, spec.b)
-        if NAMES[t] in ("uniform", "constant"):
+        want = init_rows(ids[mine], dim, spec.seed, spec.normal, spec.a, spec.b, spec.first_col)
+        if NAMES[t] in ("uniform", "constant", "uniform-column-shard"):
             assert torch.equal(got[mine], want), NAMES[t]
         else:
             torch.testing.assert_close(

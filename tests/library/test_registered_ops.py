@@ -100,7 +100,8 @@ def _forward_args(group: KVTableGroup, pooled: bool, missing_as_zero: bool) -> t
     ids, table_idx = _batch()
     slots = group.lookup_eval(ids, table_idx)
     layout = group.layout
-    init = (layout.seed, layout.seed_mix, layout.init_normal, layout.init_a, layout.init_b)
+    init = (layout.seed, layout.seed_mix, layout.init_normal, layout.init_a, layout.init_b,
+            layout.init_col)  # fmt: skip
     if not pooled:
         return (group.weights, slots, ids, table_idx, *init, missing_as_zero)
     bags = _bags()
@@ -121,7 +122,8 @@ def _eval_args(group: KVTableGroup) -> tuple:
     out_offset[2] = -1
     bag_list = torch.tensor([1, 3, 5, 6, 4, 0])  # by output row
     layout = group.layout
-    init = (layout.seed, layout.seed_mix, layout.init_normal, layout.init_a, layout.init_b)
+    init = (layout.seed, layout.seed_mix, layout.init_normal, layout.init_a, layout.init_b,
+            layout.init_col)  # fmt: skip
     return (group.storage.keys, layout.bucket_offset, layout.num_buckets, group.weights, ids,
             offsets, table_of_bag, weights, mean_of_bag, bag_list, out_offset, 6, DIM, *init,
             group.metrics.clone(), False)  # fmt: skip
@@ -243,7 +245,7 @@ def _storages(value) -> list[int]:
 
 
 #: Where each lookup op takes its ids and their tables (an empty batch empties both).
-_BATCH_ARGS = {"lookup_train_group": (20, 21), "lookup_eval_group": (3, 4)}
+_BATCH_ARGS = {"lookup_train_group": (21, 22), "lookup_eval_group": (3, 4)}
 _ALIAS_CASES = [(n, False) for n in TRITON] + [(n, True) for n in sorted(_BATCH_ARGS)]
 
 

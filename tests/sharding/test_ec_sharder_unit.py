@@ -49,7 +49,8 @@ def test_sharding_types_and_kernels_are_per_table():
     ).items():
         types = sharder.sharding_types("cpu")
         answers[name] = (types, {t: sharder.compute_kernels(t, "cpu") for t in types})
-    assert answers["kv"] == ([RW, TW], {RW: [KV_COMPUTE_KERNEL], TW: [KV_COMPUTE_KERNEL]})
+    kv_types = [RW, TW, "column_wise"]
+    assert answers["kv"] == (kv_types, {t: [KV_COMPUTE_KERNEL] for t in kv_types})
     assert all(KV_COMPUTE_KERNEL not in k for k in answers["stock"][1].values())
 
 

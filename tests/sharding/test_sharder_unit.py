@@ -28,7 +28,7 @@ from torchrec_kvemb.sharding.kv_embedding import shard_options
 from torchrec_kvemb.sharding.planner import kv_table_bytes, storage_proxy
 
 META = torch.device("meta")
-RW, TW, DP = "row_wise", "table_wise", "data_parallel"
+RW, TW, CW, DP = "row_wise", "table_wise", "column_wise", "data_parallel"
 ADAGRAD = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05}
 MAX_ID = 2**63 - 1
 
@@ -103,7 +103,7 @@ def test_stock_planner_plans_kv_and_stock_tables():
             assert set(ps.ranks) <= {0, 1}
             if table in kv_tables[path]:
                 assert ps.compute_kernel == KV_COMPUTE_KERNEL, table
-                assert ps.sharding_type in (RW, TW), table
+                assert ps.sharding_type in (RW, TW, CW), table
                 if ps.sharding_type == RW:
                     assert sorted(ps.ranks) == [0, 1]
             else:
@@ -204,7 +204,8 @@ def test_sharding_types_and_kernels_are_per_table():
     for name, _ in sharder.shardable_parameters(ebc).items():
         types = sharder.sharding_types("cpu")
         answers[name] = (types, {t: sharder.compute_kernels(t, "cpu") for t in types})
-    assert answers["kv"] == ([RW, TW], {RW: [KV_COMPUTE_KERNEL], TW: [KV_COMPUTE_KERNEL]})
+    kv_types = [RW, TW, CW]
+    assert answers["kv"] == (kv_types, {t: [KV_COMPUTE_KERNEL] for t in kv_types})
     stock_types, stock_kernels = answers["stock_small"]
     assert RW not in stock_types  # stock CPU sharding has no row-wise
     assert all(KV_COMPUTE_KERNEL not in k for k in stock_kernels.values())

@@ -121,24 +121,36 @@ class TablePlacement:
         if table.state_dim and not (set(self.entries) - {WEIGHT}):
             table.state.index_fill_(0, slots, 0.0)  # no state given: zero, as a load gives
 
-    def place(self, entry: str, start: int, rows: torch.Tensor) -> None:
-        """Write read rows ``[start, start + len(rows))`` of ``entry`` into their slots."""
+    def place(self, entry: str, start: int, rows: torch.Tensor, column: int = 0) -> None:
+        """Write read rows ``[start, start + len(rows))`` of ``entry`` into their slots:
+        the table's columns ``[column, column + width)`` of them (a column piece)."""
         stop = start + rows.shape[0]
         slots = self.slot_of_row[start:stop]
         if not self._every_row:
             keep = slots >= 0
             slots, rows = slots[keep], rows[keep.to(rows.device)]
-        if entry == WEIGHT:
-            dest = self.table.weights
-        else:
-            dest = self.table.optim.split_state(self.table.state, self.table.dim)[entry]
+        dest = self._dest(entry)
+        if dest.dim() == 2 and rows.dim() == 2 and rows.shape[1] != dest.shape[1]:
+            dest = dest[:, column : column + rows.shape[1]]
         dispatch.scatter_rows(dest, slots, rows.to(dest.device, dest.dtype))
-        self._placed[entry] = self._placed.get(entry, 0) + stop - start
+        width = rows.shape[1] if rows.dim() == 2 else 1
+        self._placed[entry] = self._placed.get(entry, 0) + (stop - start) * width
+
+    def _dest(self, entry: str) -> torch.Tensor:
+        if entry == WEIGHT:
+            return self.table.weights
+        return self.table.optim.split_state(self.table.state, self.table.dim)[entry]
 
     def unplaced(self) -> list[str]:
-        """Entries with rows not placed yet."""
+        """Entries with values not placed yet (every row, every column)."""
         n = self.ids.numel()
-        return [e for e in self.entries if n and self._placed.get(e, 0) != n]
+        missing = []
+        for e in self.entries:
+            dest = self._dest(e)
+            width = dest.shape[1] if dest.dim() == 2 else 1
+            if n and self._placed.get(e, 0) != n * width:
+                missing.append(e)
+        return missing
 
     def rollback(self) -> None:
         """Write back the old rows the placed blocks overwrote (a no-op before
@@ -236,7 +248,7 @@ class RowPlacer:
             try:
                 if self._error is None:
                     position, entry = self._keys[block.key]
-                    self.tables[position].place(entry, block.start, block.rows)
+                    self.tables[position].place(entry, block.start, block.rows, block.column)
             except BaseException as e:  # re-raised by running()
                 self._error = e
             finally:

@@ -55,6 +55,9 @@ class RowBlock:
     rows: torch.Tensor
     #: Call once ``rows`` is used: its buffer goes back to the readers.
     release: Callable[[], None]
+    #: The entry's first column ``rows`` hold (a chunk saved by column shards holds
+    #: some columns of every row; 0 for whole rows).
+    column: int = 0
 
 
 class _Buffers:
@@ -130,7 +133,7 @@ def _read_file(
             saved = None if info.transform_descriptors else locate(f, info.offset, info.length)
             if saved is None or not saved.readable_as(dtype, offsets, lengths):
                 rows = _read_with_dcp(reader, item, dtype)
-                sink(RowBlock(key, item.dest_offsets[0], rows, _nothing))
+                sink(RowBlock(key, item.dest_offsets[0], rows, _nothing, _column(item)))
                 continue
             row_shape = lengths[1:]
             row_bytes = math.prod(row_shape) * dtype.itemsize
@@ -144,7 +147,12 @@ def _read_file(
                 except BaseException:
                     release()
                     raise
-                sink(RowBlock(key, item.dest_offsets[0] + done, rows, release))
+                sink(RowBlock(key, item.dest_offsets[0] + done, rows, release, _column(item)))
+
+
+def _column(item: ReadItem) -> int:
+    """The first column a read item's rows hold in their entry (0 for 1-D entries)."""
+    return int(item.dest_offsets[1]) if len(item.dest_offsets) > 1 else 0
 
 
 class _OneTarget:

@@ -72,6 +72,7 @@ from torchrec_kvemb.state_dict import (
     restore_table,
 )
 from torchrec_kvemb.state_dict.deferred import DeferredEntries, deferring
+from torchrec_kvemb.state_dict.rows import select_columns
 from torchrec_kvemb.ttl import LAST_SEEN_KEY
 
 MODEL = "model"
@@ -441,9 +442,26 @@ def load(
     }
     requests = {key: (row_offsets[key], shape.shape[0]) for key, shape in row_shapes.items()}
 
+    # Column shards keep their columns of the 2-D entries (weight, Adam's moments);
+    # a checkpoint saved by column shards gives blocks of some columns of each row.
+    column_cut = {
+        f"{MODEL}.{prefix}{entry}": slot.layout.columns
+        for prefix, slot, rows, _ in placed
+        if slot.layout.columns is not None
+        for entry in (WEIGHT, *rows.state)
+    }
+
     def take(block: RowBlock) -> None:
+        if block.rows.dim() == 2 and block.key in column_cut:
+            block = _cut_columns(block, *column_cut[block.key])
+            if block is None:
+                return
         if block.key in whole:
-            whole[block.key][block.start : block.start + block.rows.shape[0]] = block.rows
+            rows, at = block.rows, block.column
+            target = whole[block.key][block.start : block.start + rows.shape[0]]
+            if rows.dim() == 2:
+                target = target[:, at : at + rows.shape[1]]
+            target.copy_(rows)
             block.release()
         else:
             placer.post(block)
@@ -466,13 +484,26 @@ def load(
     placer.commit()
     for prefix, slot, rows, keep in contents:
         if not _placeable(slot):
-            rows = _with_rows(rows, prefix, whole)
+            rows = select_columns(_with_rows(rows, prefix, whole), slot.layout.columns)
             restore_table(slot.layout.table, rows if keep is None else rows.select(keep))
     for key in fused_keys:
         _copy_into(fused_live[key], targets[key])
     restore_learning_rates(slots, rates)
     if optimizer is not None:
         optimizer.load_state_dict(optim_state)
+
+
+def _cut_columns(block: RowBlock, first: int, width: int) -> RowBlock | None:
+    """The part of a block of rows in a column shard's columns ``[first, first +
+    width)``, its column renumbered from the shard's first (None: no column of it;
+    the block is released)."""
+    lo = max(first, block.column)
+    hi = min(first + width, block.column + block.rows.shape[1])
+    if lo >= hi:
+        block.release()
+        return None
+    rows = block.rows[:, lo - block.column : hi - block.column]
+    return replace(block, rows=rows, column=lo - first)
 
 
 def _with_rows(rows: TableRows, prefix: str, whole: Mapping[str, torch.Tensor]) -> TableRows:

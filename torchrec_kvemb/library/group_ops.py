@@ -62,6 +62,7 @@ class InitArgs(NamedTuple):
     init_normal: Tensor
     init_a: Tensor
     init_b: Tensor
+    init_col: Tensor
 
     def layout(self) -> GroupLayout:
         """A layout that carries only these (what a pooled forward reads of it)."""
@@ -92,6 +93,7 @@ class TrainArgs(NamedTuple):
     init_normal: Tensor
     init_a: Tensor
     init_b: Tensor
+    init_col: Tensor
     has_admission: bool
     has_normal: bool
     ids: Tensor
@@ -102,7 +104,7 @@ class TrainArgs(NamedTuple):
     use_custom: Tensor | None
 
     def layout(self) -> GroupLayout:
-        return GroupLayout.from_tensors(self[7:18], self.has_admission, self.has_normal)
+        return GroupLayout.from_tensors(self[7:19], self.has_admission, self.has_normal)
 
 
 TRAIN_MUTATES = ("keys", "scores", "weights", "state", "counter_keys", "counter_scores",
@@ -247,6 +249,7 @@ class EvalArgs(NamedTuple):
     init_normal: Tensor
     init_a: Tensor
     init_b: Tensor
+    init_col: Tensor
     metrics: Tensor
     unpooled: bool
 
@@ -295,7 +298,7 @@ def _pooled_eval_cuda(*args: object) -> Tensor:
         bags = Bags.build(a.offsets, n, a.per_sample_weights, mean)
         table_idx = a.table_of_bag.index_select(0, bags.bag_of)
     slots = _lookup_eval_cuda(a.keys, a.bucket_offset, a.num_buckets, a.ids, table_idx, a.metrics)
-    init = InitArgs(a.seed, a.seed_mix, a.init_normal, a.init_a, a.init_b)
+    init = InitArgs(a.seed, a.seed_mix, a.init_normal, a.init_a, a.init_b, a.init_col)
     bag_list = bags.bag_of if a.offsets is None or a.unpooled else a.bag_list  # rows: all
     pooled = group_pooled_forward_triton(
         init.layout(), a.weights, slots, a.ids, table_idx, bags, bag_list, True
@@ -337,10 +340,11 @@ class PooledArgs(NamedTuple):
     init_normal: Tensor
     init_a: Tensor
     init_b: Tensor
+    init_col: Tensor
     missing_as_zero: bool
 
     def init(self) -> InitArgs:
-        return InitArgs(*self[8:13])
+        return InitArgs(*self[8:14])
 
     def bags(self) -> Bags:
         return Bags(self.offsets, self.bag_of, self.scale)
@@ -398,10 +402,11 @@ class RowsArgs(NamedTuple):
     init_normal: Tensor
     init_a: Tensor
     init_b: Tensor
+    init_col: Tensor
     missing_as_zero: bool
 
     def init(self) -> InitArgs:
-        return InitArgs(*self[4:9])
+        return InitArgs(*self[4:10])
 
 
 def _rows_forward_cpu(*args: object) -> Tensor:

@@ -83,8 +83,10 @@ def init_rows(
     normal: int,
     a: float,
     b: float,
+    first_col: int = 0,
 ) -> torch.Tensor:
-    """Initial rows ``[len(ids), dim]`` float32, a pure function of (id, seed, column).
+    """Initial rows ``[len(ids), dim]`` float32, a pure function of (id, seed, column):
+    columns ``[first_col, first_col + dim)`` of the streams (a column shard's).
 
     ``normal`` is the kind of draw (``InitSpec``): ``INIT_UNIFORM`` (or ``False``):
     uniform on [a, b) (``a == b``: exactly ``float32(a)``). ``INIT_NORMAL`` (or
@@ -97,7 +99,8 @@ def init_rows(
     if kind not in (INIT_UNIFORM, INIT_NORMAL, INIT_TRUNC_NORMAL):
         raise ValueError(f"init_rows: unknown kind of initial draw {normal!r}")
     base = fmix64(ids.to(torch.int64) ^ seed_mix(seed))
-    cols = torch.arange(1, dim + 1, dtype=torch.int64, device=ids.device) * _GOLDEN_S
+    cols = torch.arange(first_col + 1, first_col + dim + 1, dtype=torch.int64, device=ids.device)
+    cols = cols * _GOLDEN_S
     bits = base.unsqueeze(1) + cols.unsqueeze(0)
     tmp = torch.empty_like(bits)
     _fmix64_(bits, tmp)

@@ -495,7 +495,8 @@ def lookup_train_group(
         admission_threshold=tables.admission_threshold,
         counter_bucket_offset=tables.counter_bucket_offset,
         counter_num_buckets=tables.counter_num_buckets,
-        init_native=(tables.init_normal == 0).to(torch.int64) * int(weights.dtype == torch.float32),
+        init_native=((tables.init_normal == 0) & (tables.init_col == 0)).to(torch.int64)
+        * int(weights.dtype == torch.float32),
         seed_mix=tables.seed_mix,
     )
     for name, value in table_args.items():
@@ -572,9 +573,10 @@ def lookup_train_group(
 def _fill_new_rows(
     tables: GroupLayout, weights: torch.Tensor, result: TrainLookup, every_table: bool
 ) -> None:
-    """Initial rows of the new ids of NORMAL tables (of every table with
-    ``every_table``: half-precision rows), by the torch path (why NORMAL: its log
-    and cos are torch's vectorized ones, which C++ libm does not match bit for bit)."""
+    """Initial rows of the new ids of NORMAL tables and column shards (of every table
+    with ``every_table``: half-precision rows), by the torch path (why NORMAL: its
+    log and cos are torch's vectorized ones, which C++ libm does not match bit for
+    bit; column shards: the native uniform draw starts at column 0)."""
     new = result.unique_inserted
     if not bool(new.any()):
         return
@@ -582,11 +584,12 @@ def _fill_new_rows(
     u = new.numel()  # the batch's uniques (``pad_uniques`` keeps more slots and tables)
     table, slots = result.unique_table[:u], result.unique_slots[:u]
     for t, spec in enumerate(tables.init_specs):
-        if not (spec.normal or every_table):
+        if not (spec.normal or spec.first_col or every_table):
             continue
         mask = new & (table == t)
         if bool(mask.any()):
-            rows = init_rows(result.unique_ids[mask], dim, spec.seed, spec.normal, spec.a, spec.b)
+            ids = result.unique_ids[mask]
+            rows = init_rows(ids, dim, spec.seed, spec.normal, spec.a, spec.b, spec.first_col)
             weights.index_copy_(0, slots[mask], rows.to(weights.dtype))
 
 

@@ -73,7 +73,9 @@ def add_initial_rows(
     for t, spec in enumerate(init_specs):
         missing = ((~stored) & (table_idx == t)).nonzero().squeeze(1)
         if missing.numel():
-            rows = init_rows(ids[missing], out.shape[1], spec.seed, spec.normal, spec.a, spec.b)
+            rows = init_rows(
+                ids[missing], out.shape[1], spec.seed, spec.normal, spec.a, spec.b, spec.first_col
+            )
             if bags.scale is not None:
                 rows = rows * bags.scale[missing].unsqueeze(1)
             out.index_add_(0, bags.bag_of[missing], rows)
@@ -118,7 +120,9 @@ def copy_initial_rows(
         mine = missing[missing_table == t]
         if mine.numel():
             dim = rows.shape[1]
-            fresh = init_rows(ids[mine], dim, spec.seed, spec.normal, spec.a, spec.b)
+            fresh = init_rows(
+                ids[mine], dim, spec.seed, spec.normal, spec.a, spec.b, spec.first_col
+            )
             rows.index_copy_(0, mine, fresh)
 
 

@@ -33,6 +33,7 @@ from torchrec_kvemb.bag_lookup import BagTable, KVBagLookup
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import KVTableOptions, with_config_init
 from torchrec_kvemb.sequence_lookup import KVSequenceLookup
+from torchrec_kvemb.sharding.cw_columns import column_offset, column_shard_options
 from torchrec_kvemb.sharding.fused_optimizer import KVFusedOptimizer
 from torchrec_kvemb.table import KVTable
 
@@ -100,11 +101,27 @@ class KVTableSpecs:
     options: Mapping[str, KVTableOptions]
     optims: Mapping[str, FusedOptimConfig] = field(default_factory=dict)
 
-    def table_options(self, table: ShardedEmbeddingTable, num_shards: int) -> KVTableOptions:
+    def table_options(
+        self,
+        table: ShardedEmbeddingTable,
+        num_shards: int,
+        optim: FusedOptimConfig | None = None,
+    ) -> KVTableOptions:
         """A table's options on this rank: one of ``num_shards`` equal shards, its
-        initial rows drawn as TorchRec's sharded table would (its config's range)."""
+        initial rows drawn as TorchRec's sharded table would (its config's range); a
+        column shard draws its columns of them (``optim``: the table's optimizer)."""
         options = with_config_init(self.options[table.name], table)
+        if table.local_cols != table.embedding_dim:
+            options = column_shard_options(
+                options, table.name, table.embedding_dim, column_offset(table), optim
+            )
         return shard_options(options, num_shards)
+
+    def table_optim(
+        self, config: GroupedEmbeddingConfig, table: ShardedEmbeddingTable
+    ) -> FusedOptimConfig:
+        """The fused optimizer of one of a grouped config's tables."""
+        return self.optims.get(table.name) or optim_config(config.fused_params, table.name)
 
     def bag_lookup(
         self,
@@ -127,11 +144,11 @@ class KVTableSpecs:
                 )
                 for t in tables
             ],
-            {t.name: self.table_options(t, num_shards) for t in tables},
             {
-                t.name: self.optims.get(t.name) or optim_config(config.fused_params, t.name)
+                t.name: self.table_options(t, num_shards, self.table_optim(config, t))
                 for t in tables
             },
+            {t.name: self.table_optim(config, t) for t in tables},
             device,
             weights="if_present",
         )
@@ -143,11 +160,11 @@ class KVTableSpecs:
         tables: list[ShardedEmbeddingTable] = config.embedding_tables
         return KVSequenceLookup(
             [BagTable(t.name, t.local_cols, tuple(t.feature_names)) for t in tables],
-            {t.name: self.table_options(t, num_shards) for t in tables},
             {
-                t.name: self.optims.get(t.name) or optim_config(config.fused_params, t.name)
+                t.name: self.table_options(t, num_shards, self.table_optim(config, t))
                 for t in tables
             },
+            {t.name: self.table_optim(config, t) for t in tables},
             device,
         )
 

@@ -1,4 +1,4 @@
-"""Row-wise and table-wise sharding of a sequence collection's KV tables.
+"""Row-wise, table-wise and column-wise sharding of a sequence collection's KV tables.
 
 TorchRec's sequence shardings as they are (the all-to-all of ids in, the
 sequence all-to-all of rows back, in each id's place); the lookup is KV and,
@@ -13,13 +13,16 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torchrec.distributed.dist_data import KJTAllToAll
-from torchrec.distributed.embedding_sharding import BaseSparseFeaturesDist
+from torchrec.distributed.embedding_sharding import BaseSparseFeaturesDist, EmbeddingShardingInfo
+from torchrec.distributed.sharding.cw_sequence_sharding import CwSequenceEmbeddingSharding
 from torchrec.distributed.sharding.rw_sequence_sharding import RwSequenceEmbeddingSharding
 from torchrec.distributed.sharding.rw_sharding import RwSparseFeaturesDist
 from torchrec.distributed.sharding.tw_sequence_sharding import TwSequenceEmbeddingSharding
-from torchrec.distributed.types import Awaitable, ShardingType
+from torchrec.distributed.types import Awaitable, QuantizedCommCodecs, ShardingEnv, ShardingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_kvemb.sharding.cw import check_column_shards
+from torchrec_kvemb.sharding.kv_embedding import KVTableSpecs
 from torchrec_kvemb.sharding.kv_lookup import KVLookupMixin
 from torchrec_kvemb.sharding.kv_sequence import KVGroupedEmbeddingsLookup
 from torchrec_kvemb.sharding.rw import route_kv_features
@@ -88,8 +91,39 @@ class KVTwSequenceEmbeddingSharding(_KVSequenceSharding, TwSequenceEmbeddingShar
     kv_sharding_type = ShardingType.TABLE_WISE
 
 
+class KVCwSequenceEmbeddingSharding(_KVSequenceSharding, CwSequenceEmbeddingSharding):
+    """TorchRec's column-wise sequence sharding with KV lookups: each column shard a
+    ``KVTable`` of its width holding every id (see :mod:`torchrec_kvemb.sharding.cw`).
+
+    Example::
+
+        sharding = KVCwSequenceEmbeddingSharding(sharding_infos, env, device, specs=specs)
+    """
+
+    kv_sharding_type = ShardingType.COLUMN_WISE
+
+    def __init__(
+        self,
+        sharding_infos: list[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+        *,
+        specs: KVTableSpecs,
+    ) -> None:
+        check_column_shards(sharding_infos, env.world_size)
+        super().__init__(
+            sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry, specs=specs
+        )
+
+    def kv_num_shards(self) -> int:
+        """Every column shard holds all of the table's ids: its whole capacity."""
+        return 1
+
+
 #: The sequence sharding of a KV table by sharding type.
 KV_SEQUENCE_SHARDINGS = {
     ShardingType.ROW_WISE.value: KVRwSequenceEmbeddingSharding,
     ShardingType.TABLE_WISE.value: KVTwSequenceEmbeddingSharding,
+    ShardingType.COLUMN_WISE.value: KVCwSequenceEmbeddingSharding,
 }

@@ -4,7 +4,7 @@ Everything a stock sharded EBC does stays (feature permutation and split per
 sharding, the two-stage input dist that ``TrainPipelineSparseDist`` fuses,
 pooled all-to-all / reduce-scatter with autograd, ``KeyedTensor`` assembly,
 the combined ``fused_optimizer``); tables whose plan says ``customized_kernel``
-get a KV sharding (:mod:`.rw`, :mod:`.tw`) instead of the stock one. Tables
+get a KV sharding (:mod:`.rw`, :mod:`.tw`, :mod:`.cw`) instead of the stock one. Tables
 without KV options in the same collection take the untouched stock path.
 
 Gradients: TorchRec's pooled output dists divide the gradient by the world
@@ -39,6 +39,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_kvemb.ebc import KVEmbeddingBagCollection
+from torchrec_kvemb.sharding.cw import KVCwPooledEmbeddingSharding
 from torchrec_kvemb.sharding.kv_embedding import (
     KVGroupedPooledEmbeddingsLookup,
     KVTableSpecs,
@@ -63,6 +64,7 @@ from torchrec_kvemb.state_dict.hooks import register_sharded_hooks
 _KV_SHARDINGS = {
     ShardingType.ROW_WISE.value: KVRwPooledEmbeddingSharding,
     ShardingType.TABLE_WISE.value: KVTwPooledEmbeddingSharding,
+    ShardingType.COLUMN_WISE.value: KVCwPooledEmbeddingSharding,
 }
 #: Sharding types a KV table may have.
 KV_SHARDING_TYPES = list(_KV_SHARDINGS)
@@ -96,7 +98,7 @@ class _KVCollectionView(KVModuleView):
 
 class ShardedKVEmbeddingBagCollection(KVShardedMixin, ShardedEmbeddingBagCollection):
     """A sharded ``EmbeddingBagCollection`` (or ``KVEmbeddingBagCollection``) whose
-    KV tables are sharded row-wise or table-wise over ``KVTable`` shards.
+    KV tables are sharded row-wise, table-wise or column-wise over ``KVTable`` shards.
 
     Built by :class:`~torchrec_kvemb.KVEmbeddingBagCollectionSharder`; forward,
     ``input_dist`` / ``compute_and_output_dist`` and ``fused_optimizer`` are

@@ -20,6 +20,7 @@ from torchrec.distributed.types import (
     ParameterSharding,
     QuantizedCommCodecs,
     ShardingEnv,
+    ShardingType,
 )
 from torchrec.modules.embedding_configs import EmbeddingConfig
 
@@ -35,6 +36,8 @@ from torchrec_kvemb.sharding.sharded_common import (
     kv_groups_first,
 )
 from torchrec_kvemb.state_dict.hooks import register_sharded_hooks
+
+COLUMN_WISE = ShardingType.COLUMN_WISE.value
 
 
 class _KVSequenceCollectionView(KVModuleView):
@@ -89,7 +92,7 @@ class _StockWeightsView:
 
 class ShardedKVEmbeddingCollection(KVShardedMixin, ShardedEmbeddingCollection):
     """A sharded ``EmbeddingCollection`` (or ``KVEmbeddingCollection``) whose KV tables
-    are sharded row-wise or table-wise over ``KVTable`` shards.
+    are sharded row-wise, table-wise or column-wise over ``KVTable`` shards.
 
     Built by :class:`~torchrec_kvemb.KVEmbeddingCollectionSharder`; forward and
     ``fused_optimizer`` are TorchRec's. ``kv_tables()`` gives this rank's shards,
@@ -105,6 +108,42 @@ class ShardedKVEmbeddingCollection(KVShardedMixin, ShardedEmbeddingCollection):
 
     kv_lookup_type = KVGroupedEmbeddingsLookup
     kv_configs_attribute = "_embedding_configs"
+
+    def __init__(
+        self,
+        module: nn.Module,
+        table_name_to_parameter_sharding: dict[str, ParameterSharding],
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(module, table_name_to_parameter_sharding, *args, **kwargs)
+        self._kv_column_wise(module, table_name_to_parameter_sharding)
+
+    def _kv_column_wise(self, module: nn.Module, plan: dict[str, ParameterSharding]) -> None:
+        """What the stock module sets up for its ``column_wise`` sharding, for the KV one
+        (under its own key): the width of the column shards, which must be one for
+        every column-wise table (the stock module's rule), and how each feature's
+        pieces go back in column order."""
+        sharding = self._sharding_type_to_sharding.get(KV_GROUP_PREFIX + COLUMN_WISE)
+        if sharding is None:
+            return
+        widths = {
+            name: sorted({s.shard_sizes[1] for s in ps.sharding_spec.shards})
+            for name, ps in plan.items()
+            if ps.sharding_type == COLUMN_WISE
+        }
+        if len({w for ws in widths.values() for w in ws}) != 1:
+            raise ValueError(
+                f"column-wise sequence tables need column shards of one width, got {widths} "
+                "(TorchRec's EmbeddingCollection rule, KV tables alike)"
+            )
+        if COLUMN_WISE not in self._sharding_type_to_sharding:
+            self._local_embedding_dim = next(iter(widths.values()))[0]
+            self._generate_permute_indices_per_feature(module.embedding_configs(), plan)
+
+    def _embedding_dim_for_sharding_type(self, sharding_type: str) -> int:
+        """The stock answer for KV shardings too (their key has a prefix)."""
+        return super()._embedding_dim_for_sharding_type(sharding_type.removeprefix(KV_GROUP_PREFIX))
 
     def kv_module_to_shard(
         self, module: nn.Module, specs: KVTableSpecs, plan: dict[str, ParameterSharding]

@@ -3,7 +3,7 @@
 Hand them to DMP (and to the planner) in place of TorchRec's
 ``EmbeddingBagCollectionSharder`` / ``EmbeddingCollectionSharder``. Tables they
 have ``KVTableOptions`` for become KV tables (compute kernel
-``customized_kernel``, sharded row-wise or table-wise); the others are sharded
+``customized_kernel``, sharded row-wise, table-wise or column-wise); the others are sharded
 exactly as the stock sharder would. Planning answers per table
 (:mod:`.sharder_base`).
 """
@@ -16,6 +16,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 
 from torchrec_kvemb.ebc import KVEmbeddingBagCollection
 from torchrec_kvemb.ec import KVEmbeddingCollection
+from torchrec_kvemb.sharding.sequence_shardings import KV_SEQUENCE_SHARDINGS
 from torchrec_kvemb.sharding.sharded_ebc import ShardedKVEmbeddingBagCollection
 from torchrec_kvemb.sharding.sharded_ec import ShardedKVEmbeddingCollection
 from torchrec_kvemb.sharding.sharder_base import KVSharderBase
@@ -23,7 +24,7 @@ from torchrec_kvemb.sharding.sharder_base import KVSharderBase
 
 class KVEmbeddingBagCollectionSharder(KVSharderBase, EmbeddingBagCollectionSharder):
     """Shards an ``EmbeddingBagCollection`` whose tables named in ``table_options`` are
-    KV tables (row-wise or table-wise); the other tables stay stock.
+    KV tables (row-wise, table-wise or column-wise); the other tables stay stock.
 
     * ``table_options``: ``KVTableOptions`` by table name. ``capacity`` /
       ``memory_budget_bytes`` are per table: a row-wise shard gets ``1 / W`` of
@@ -58,7 +59,7 @@ class KVEmbeddingBagCollectionSharder(KVSharderBase, EmbeddingBagCollectionShard
 
 class KVEmbeddingCollectionSharder(KVSharderBase, EmbeddingCollectionSharder):
     """Shards an ``EmbeddingCollection`` (sequence embeddings: one row per id) whose
-    tables named in ``table_options`` are KV tables (row-wise or table-wise); the
+    tables named in ``table_options`` are KV tables (row-wise, table-wise or column-wise); the
     other tables stay stock. Arguments as for
     :class:`KVEmbeddingBagCollectionSharder`; ``module_type`` is
     ``EmbeddingCollection`` (default) or ``KVEmbeddingCollection``.
@@ -77,6 +78,7 @@ class KVEmbeddingCollectionSharder(KVSharderBase, EmbeddingCollectionSharder):
     stock_module = EmbeddingCollection
     kv_module = KVEmbeddingCollection
     configs_method = "embedding_configs"
+    kv_sharding_types = tuple(KV_SEQUENCE_SHARDINGS)
 
     @property
     def sharded_module_type(self) -> type[ShardedKVEmbeddingCollection]:

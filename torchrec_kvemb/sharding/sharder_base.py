@@ -5,7 +5,7 @@ The planner asks a sharder for sharding types and kernels without naming the
 table (``sharding_types(device)``, ``compute_kernels(type, device)``), but asks
 inside its loop over ``shardable_parameters(module).items()``. That mapping
 tells the sharder which table the loop is on, so the answers are per table:
-``[row_wise, table_wise]`` x ``[customized_kernel]`` for KV tables, the stock
+``[row_wise, table_wise, column_wise]`` x ``[customized_kernel]`` for KV tables, the stock
 answers for the others.
 """
 
@@ -52,7 +52,7 @@ class TablesInPlanning(dict):
 
 class KVSharderBase:
     """Mixed in before a stock TorchRec sharder (bag or sequence collection): KV
-    tables by name, planned ``customized_kernel`` row-wise or table-wise.
+    tables by name, planned ``customized_kernel`` row-wise, table-wise or column-wise.
 
     Subclasses name their module types (``stock_module``, ``kv_module``), the
     method that lists a module's table configs (``configs_method``) and the
@@ -69,6 +69,8 @@ class KVSharderBase:
     kv_module: type[nn.Module]
     #: The method that lists a module's table configs (``embedding_bag_configs``, ...).
     configs_method: str
+    #: The sharding types the planner may give a KV table of this sharder's modules.
+    kv_sharding_types: tuple[str, ...] = tuple(KV_SHARDING_TYPES)
 
     def __init__(
         self,
@@ -135,14 +137,14 @@ class KVSharderBase:
     def sharding_types(self, compute_device_type: str) -> list[str]:
         stock = super().sharding_types(compute_device_type)
         if self.planning_kv is None:
-            return stock + [t for t in KV_SHARDING_TYPES if t not in stock]
-        return list(KV_SHARDING_TYPES) if self.planning_kv else stock
+            return stock + [t for t in self.kv_sharding_types if t not in stock]
+        return list(self.kv_sharding_types) if self.planning_kv else stock
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
         if self.planning_kv:
             return [KV_COMPUTE_KERNEL]
         stock = super().compute_kernels(sharding_type, compute_device_type)
-        if self.planning_kv is None and sharding_type in KV_SHARDING_TYPES:
+        if self.planning_kv is None and sharding_type in self.kv_sharding_types:
             return stock + [KV_COMPUTE_KERNEL]
         return stock
 

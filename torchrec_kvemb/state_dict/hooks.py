@@ -49,6 +49,7 @@ from torchrec_kvemb.state_dict.rows import (
     ROW_KEYS,
     TableRows,
     restore_table,
+    select_columns,
     table_state,
 )
 from torchrec_kvemb.state_dict.sharded import sharded_entries
@@ -161,6 +162,13 @@ def _owned_rows(layout: TableLayout, entries: dict[str, Any]) -> TableRows | Non
     shard of the table). Whole tensors give every row, of which a sharded rank
     keeps the ids it owns; a shard (ShardedTensor, sharded DTensor) must be this
     rank's shard of this layout: one of another layout is refused."""
+    if layout.columns is not None and is_distributed(entries["weight_id"]):
+        raise CheckpointError(
+            f"table {layout.name!r}: load_state_dict cannot take a column-wise shard "
+            "(a column shard's ShardedTensors hold its columns, and only the first shard "
+            "the ids); load column-wise tables with torchrec_kvemb.checkpoint.load, or give "
+            "whole plain tensors"
+        )
     rows = rows_from_entries(layout.name, entries)
     shard = is_distributed(entries["weight_id"])
     table = layout.table
@@ -178,7 +186,7 @@ def _owned_rows(layout: TableLayout, entries: dict[str, Any]) -> TableRows | Non
         check_bucket_counts(layout.name, rows.ids, bucket)
     if shard:
         _check_shard(layout, rows, entries.get("bucket"))
-    rows = rows.select(layout.owns(rows.ids))
+    rows = select_columns(rows.select(layout.owns(rows.ids)), layout.columns)
     if rows.admission is not None:
         keep = layout.owns(rows.admission[0])
         rows.admission = tuple(t[keep] for t in rows.admission)

@@ -50,13 +50,16 @@ class TableLayout:
     table: KVTable | None
     owned: tuple[int, int] | None
     admission: bool
-    #: ``"unsharded"``, ``"row_wise"`` or ``"table_wise"``.
+    #: ``"unsharded"``, ``"row_wise"``, ``"table_wise"`` or ``"column_wise"``.
     sharding: str = "unsharded"
     #: Sharded: the ``KVFusedOptimizer`` whose ``lr`` drives this shard (shared by
     #: the tables of its grouped config). Unsharded: None, ``table.optim`` does.
     fused_optimizer: Any = field(default=None, compare=False, repr=False)
     #: The dtype the table stores its rows in (``KVTableOptions.weights_dtype``).
     weights_dtype: torch.dtype = torch.float32
+    #: A column shard's ``(first column, width)`` of the table's ``dim`` columns
+    #: (``"column_wise"`` on a rank holding a shard); None for whole rows.
+    columns: tuple[int, int] | None = None
 
     @classmethod
     def unsharded(cls, table: KVTable) -> TableLayout:
@@ -128,6 +131,9 @@ def sharded_layouts(
         owned = owned_buckets(
             num_buckets, rank, world_size, sharding == "row_wise", table is not None
         )
+        columns = None
+        if sharding == "column_wise" and table is not None:
+            columns = (table.options.column_offset, table.dim)
         out.append(
             TableLayout(
                 config.name,
@@ -139,6 +145,7 @@ def sharded_layouts(
                 sharding,
                 optimizers.get(config.name),
                 options[config.name].weights_dtype,
+                columns,
             )
         )
     return out

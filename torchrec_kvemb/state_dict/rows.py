@@ -15,7 +15,7 @@ Example::
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -71,6 +71,17 @@ class TableRows:
             self.admission,
             None if self.last_seen is None else self.last_seen[keep],
         )
+
+
+def select_columns(rows: TableRows, columns: tuple[int, int] | None) -> TableRows:
+    """A column shard's part of whole rows: columns ``[first, first + width)`` of the
+    rows and of the per-column optimizer state (Adam's moments); per-row state
+    (row-wise Adagrad's) as it is. ``columns`` None: ``rows`` themselves."""
+    if columns is None:
+        return rows
+    cols = slice(columns[0], columns[0] + columns[1])
+    state = {k: v[:, cols] if v.dim() == 2 else v for k, v in rows.state.items()}
+    return replace(rows, weights=rows.weights[:, cols], state=state)
 
 
 def bucket_order(ids: torch.Tensor, num_buckets: int) -> tuple[torch.Tensor, torch.Tensor]:

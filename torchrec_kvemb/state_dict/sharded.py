@@ -126,6 +126,7 @@ def sharded_entries(
                 "state_shapes": layout.table.optim.state_shapes(layout.dim),
                 "bucket": hi - lo,
                 "last_seen": LAST_SEEN_KEY in state,
+                "columns": layout.columns,
             }
         )
     shards = gather_row_counts(info, _device_of(layouts), group)
@@ -136,6 +137,9 @@ def sharded_entries(
         if not known:
             continue  # no rank holds it (cannot happen for a planned table)
         mine = local[i]
+        if layout.sharding == "column_wise":
+            out[layout.name] = column_entries(layout, mine, holders, shards, group)
+            continue
 
         def sharded(key: str, field: str, tail: tuple[int, ...], dtype) -> ShardedTensor:
             counts = [0 if h is None else h[field] for h in holders]  # noqa: B023
@@ -161,6 +165,100 @@ def sharded_entries(
                 entries[key] = sharded(key, "admission", (), torch.int64)
         out[layout.name] = entries
     return out
+
+
+def column_sharded_tensor(
+    value: torch.Tensor | None,
+    rows: int,
+    dim: int,
+    pieces: Sequence[tuple[int, int] | None],
+    placements: Sequence[str],
+    me: int | None,
+    group: dist.ProcessGroup | None,
+    dtype: torch.dtype,
+) -> ShardedTensor:
+    """A ShardedTensor ``[rows, dim]`` cut by columns: shard ``i`` (on ``placements[i]``)
+    holds the columns ``pieces[i] = (first, width)`` of every row, a rank without a
+    piece a zero-size shard (at the end, as in :func:`row_sharded_tensor`); ``value``
+    is shard ``me``."""
+    shards_md = []
+    for placement, piece in zip(placements, pieces, strict=True):
+        if piece is None:
+            shards_md.append(ShardMetadata([rows, 0], [0, dim], placement))
+        else:
+            shards_md.append(ShardMetadata([0, piece[0]], [rows, piece[1]], placement))
+    metadata = ShardedTensorMetadata(
+        shards_md, torch.Size([rows, dim]), TensorProperties(dtype=dtype)
+    )
+    local = []
+    if me is not None:
+        if value is None:
+            device = placements[me].split("/", 1)[1]
+            value = torch.empty((0, dim), dtype=dtype, device=device)
+        local = [Shard(value.contiguous(), shards_md[me])]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local, metadata, process_group=group
+    )
+
+
+def column_entries(
+    layout: TableLayout,
+    mine: dict[str, torch.Tensor] | None,
+    holders: list[dict | None],
+    shards: RowCounts,
+    group: dist.ProcessGroup | None,
+) -> dict[str, Any]:
+    """The entries of a column-wise table: every shard holds the same ids in the same
+    order, so ``weight`` and Adam's moments are cut by columns (each rank's shard at
+    ``(0, first column)``), and the per-row entries (ids, scores, buckets, admission,
+    last steps) come from the shard of the first columns alone (the others give
+    zero-row shards). Row-wise Adagrad's ``momentum1``, kept per shard over its
+    columns, is saved as its mean over all columns: ``sum(width_i * m_i) / dim``
+    (one ``all_reduce`` over ``group``; what one whole-width state would average)."""
+    known = [h for h in holders if h is not None]
+    first = next(r for r, h in enumerate(holders) if h is not None and h["columns"][0] == 0)
+    rows = holders[first]["rows"]
+    me = shards.me
+    pieces = [None if h is None else tuple(h["columns"]) for h in holders]
+
+    def by_first(key: str, field: str, tail: tuple[int, ...], dtype) -> ShardedTensor:
+        counts = [holders[first][field] if r == first else 0 for r in range(len(holders))]
+        value = mine[key] if mine is not None and me == first else None
+        return row_sharded_tensor(value, counts, shards.placements, me, group, tail, dtype)
+
+    def by_columns(key: str, dtype) -> ShardedTensor:
+        value = None if mine is None else mine[key]
+        return column_sharded_tensor(
+            value, rows, layout.dim, pieces, shards.placements, me, group, dtype
+        )
+
+    entries: dict[str, Any] = {
+        "weight": by_columns("weight", layout.weights_dtype),
+        "weight_id": by_first("weight_id", "rows", (), torch.int64),
+        "weight_score": by_first("weight_score", "rows", (), torch.int64),
+    }
+    for name, tail in known[0]["state_shapes"].items():
+        if tail:
+            entries[name] = by_columns(name, torch.float32)
+            continue
+        total = torch.zeros(rows, dtype=torch.float32, device=_device_of([layout]))
+        if mine is not None:
+            total += mine[name].to(torch.float32) * layout.columns[1]
+        dist.all_reduce(total, group=group)
+        value = total / layout.dim if me == first else None
+        counts = [rows if r == first else 0 for r in range(len(holders))]
+        entries[name] = row_sharded_tensor(
+            value, counts, shards.placements, me, group, (), torch.float32
+        )
+    if known[0].get("last_seen"):
+        entries[LAST_SEEN_KEY] = by_first(LAST_SEEN_KEY, "rows", (), torch.int64)
+    entries["bucket"] = by_first("bucket", "bucket", (), torch.int64)
+    steps = [h["step"] for h in known]
+    entries["step"] = torch.tensor([max(s[0] for s in steps), max(s[1] for s in steps)])
+    if layout.admission:
+        for key in ADMISSION_KEYS:
+            entries[key] = by_first(key, "admission", (), torch.int64)
+    return entries
 
 
 def _device_of(layouts: list[TableLayout]) -> str:
