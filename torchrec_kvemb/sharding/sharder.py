@@ -16,6 +16,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 
 from torchrec_kvemb.ebc import KVEmbeddingBagCollection
 from torchrec_kvemb.ec import KVEmbeddingCollection
+from torchrec_kvemb.sharding.sequence_shardings import KV_SEQUENCE_SHARDINGS
 from torchrec_kvemb.sharding.sharded_ebc import ShardedKVEmbeddingBagCollection
 from torchrec_kvemb.sharding.sharded_ec import ShardedKVEmbeddingCollection
 from torchrec_kvemb.sharding.sharder_base import KVSharderBase
@@ -23,11 +24,11 @@ from torchrec_kvemb.sharding.sharder_base import KVSharderBase
 
 class KVEmbeddingBagCollectionSharder(KVSharderBase, EmbeddingBagCollectionSharder):
     """Shards an ``EmbeddingBagCollection`` whose tables named in ``table_options`` are
-    KV tables (row-wise or table-wise); the other tables stay stock.
+    KV tables (row-wise, table-wise or table-row-wise); the other tables stay stock.
 
     * ``table_options``: ``KVTableOptions`` by table name. ``capacity`` /
       ``memory_budget_bytes`` are per table: a row-wise shard gets ``1 / W`` of
-      them, a table-wise one all.
+      them, a table-row-wise one ``1 / L`` (L ranks per node), a table-wise one all.
     * ``fused_params``: TorchRec's ``fused_params`` (optimizer, learning_rate,
       ...), for KV and stock tables alike.
     * ``module_type``: ``EmbeddingBagCollection`` (default, or None; build it on
@@ -76,6 +77,7 @@ class KVEmbeddingCollectionSharder(KVSharderBase, EmbeddingCollectionSharder):
 
     stock_module = EmbeddingCollection
     kv_module = KVEmbeddingCollection
+    kv_sharding_types = list(KV_SEQUENCE_SHARDINGS)
     configs_method = "embedding_configs"
 
     @property

@@ -5,14 +5,15 @@ The planner asks a sharder for sharding types and kernels without naming the
 table (``sharding_types(device)``, ``compute_kernels(type, device)``), but asks
 inside its loop over ``shardable_parameters(module).items()``. That mapping
 tells the sharder which table the loop is on, so the answers are per table:
-``[row_wise, table_wise]`` x ``[customized_kernel]`` for KV tables, the stock
+``kv_sharding_types`` (bags: row_wise, table_wise, table_row_wise; sequences:
+row_wise, table_wise) x ``[customized_kernel]`` for KV tables, the stock
 answers for the others.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -52,7 +53,7 @@ class TablesInPlanning(dict):
 
 class KVSharderBase:
     """Mixed in before a stock TorchRec sharder (bag or sequence collection): KV
-    tables by name, planned ``customized_kernel`` row-wise or table-wise.
+    tables by name, planned ``customized_kernel`` with one of ``kv_sharding_types``.
 
     Subclasses name their module types (``stock_module``, ``kv_module``), the
     method that lists a module's table configs (``configs_method``) and the
@@ -67,6 +68,8 @@ class KVSharderBase:
 
     stock_module: type[nn.Module]
     kv_module: type[nn.Module]
+    #: The sharding types KV tables of this sharder's module may have.
+    kv_sharding_types: ClassVar[list[str]] = KV_SHARDING_TYPES
     #: The method that lists a module's table configs (``embedding_bag_configs``, ...).
     configs_method: str
 
@@ -135,14 +138,14 @@ class KVSharderBase:
     def sharding_types(self, compute_device_type: str) -> list[str]:
         stock = super().sharding_types(compute_device_type)
         if self.planning_kv is None:
-            return stock + [t for t in KV_SHARDING_TYPES if t not in stock]
-        return list(KV_SHARDING_TYPES) if self.planning_kv else stock
+            return stock + [t for t in self.kv_sharding_types if t not in stock]
+        return list(self.kv_sharding_types) if self.planning_kv else stock
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
         if self.planning_kv:
             return [KV_COMPUTE_KERNEL]
         stock = super().compute_kernels(sharding_type, compute_device_type)
-        if self.planning_kv is None and sharding_type in KV_SHARDING_TYPES:
+        if self.planning_kv is None and sharding_type in self.kv_sharding_types:
             return stock + [KV_COMPUTE_KERNEL]
         return stock
 

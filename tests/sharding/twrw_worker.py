@@ -1,0 +1,392 @@
+"""Table-row-wise KV tables against an unsharded ``KVEmbeddingBagCollection``, and
+their checkpoints at other world sizes and shardings: the jobs of
+``tests/sharding/test_twrw_distributed.py``.
+
+Train job: 4 processes standing for 2 nodes x 2 local ranks (one
+``torchrun --nproc_per_node 4``; every worker sets ``LOCAL_WORLD_SIZE=2``
+before the process group starts, which TorchRec reads for its node groups)::
+
+    torchrun --nproc_per_node 4 -m tests.sharding.twrw_worker train DIR   # repo root
+
+* ``twrw_training``: a weighted EBC with two KV tables (SUM ``user`` on node 1,
+  MEAN ``item`` on node 0) and two stock tables (table-wise) in one collection;
+  outputs at every step (and an eval step) against the unsharded KV collection
+  fed the global batch, stock outputs against their weights; at the end every
+  id's row, optimizer state and score, which local rank holds each id, shard
+  capacities, the state_dict's bucket ranges and the fused optimizer's state by
+  id. Saves ``DIR/ckpt`` and ``DIR/expected.pt`` (every id's row, state, score
+  and admission counts, merged over ranks).
+* ``planner``: the stock planner constrained to ``table_row_wise`` proposes it
+  for both KV tables on the ranks of one node; the model it plans trains as the
+  reference does.
+* ``load_row_wise``: ``DIR/ckpt`` loaded into the same tables sharded row-wise
+  over the 4 ranks: bit-exact rows, then one more step equal to the reference's.
+
+Load job (3 processes, one node of 3: ``user`` table-row-wise, ``item``
+row-wise)::
+
+    torchrun --nproc_per_node 3 -m tests.sharding.twrw_worker load DIR
+
+and :func:`load_unsharded` (1 process, in the test's process) compare what they
+loaded with ``expected.pt``, bit for bit. Rank 0 writes ``DIR/<job>.json``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec import EmbeddingBagCollection
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.sharding_plan import (
+    construct_module_sharding_plan,
+    table_row_wise,
+    table_wise,
+)
+from torchrec.distributed.types import ShardingPlan
+
+import torchrec_kvemb.checkpoint as ckpt
+from tests.sharding.dist_worker import (
+    ADAGRAD,
+    BATCH,
+    OPTIONS,
+    STEPS,
+    STOCK_CONFIGS,
+    EBCModel,
+    GlobalBatch,
+    compare_outputs,
+    gather_stock_weights,
+    global_batch,
+    id_pools,
+    kv_configs,
+    plan_summary,
+)
+from tests.torchrun_jobs import Tally, gather, gloo_job, run_scenarios
+from torchrec_kvemb import KVEmbeddingBagCollection, KVEmbeddingBagCollectionSharder
+from torchrec_kvemb.ops.hashing import route_bucket
+from torchrec_kvemb.sharding.kv_embedding import shard_options
+from torchrec_kvemb.state_dict import admission_state
+from torchrec_kvemb.table import resolve_capacity
+
+TWRW, RW = "table_row_wise", "row_wise"
+KV_KERNEL = "customized_kernel"
+#: Ranks per node of the train job.
+LOCAL = 2
+#: Float32 sums in another order.
+TOL = 1e-5
+KV_KEYS = ["u1", "u2", "i"]
+STOCK_KEYS = ["sa", "sb"]
+DIMS = {"u1": 8, "u2": 8, "i": 4, "sa": 4, "sb": 8}
+#: The train job's nodes: ``user`` on node 1, ``item`` on node 0.
+HOSTS = {"user": 1, "item": 0}
+META, CPU = torch.device("meta"), torch.device("cpu")
+#: What the training scenario leaves for the next ones of its job: its reference.
+TRAINED: dict[str, KVEmbeddingBagCollection] = {}
+
+
+# ------------------------------------------------------------------ models
+def reference() -> KVEmbeddingBagCollection:
+    return KVEmbeddingBagCollection(
+        kv_configs(2**40), OPTIONS, is_weighted=True, fused_params=ADAGRAD
+    )
+
+
+def sharder() -> KVEmbeddingBagCollectionSharder:
+    return KVEmbeddingBagCollectionSharder(OPTIONS, fused_params=ADAGRAD)
+
+
+def meta_model(with_stock: bool) -> EBCModel:
+    configs = kv_configs(2**40) + (STOCK_CONFIGS if with_stock else [])
+    return EBCModel(EmbeddingBagCollection(configs, device=META, is_weighted=True))
+
+
+def placed_twrw_model() -> tuple[DistributedModelParallel, ShardingPlan]:
+    """KV tables table-row-wise on the nodes of ``HOSTS``, stock tables table-wise."""
+    model, kv_sharder = meta_model(True), sharder()
+    per_table = {name: table_row_wise(host_index=host) for name, host in HOSTS.items()}
+    per_table.update({"stock_a": table_wise(rank=1), "stock_b": table_wise(rank=2)})
+    module_plan = construct_module_sharding_plan(
+        model.ebc, per_table, kv_sharder, local_size=LOCAL, world_size=4, device_type="cpu"
+    )
+    for name in HOSTS:
+        module_plan[name].compute_kernel = KV_KERNEL
+    plan = ShardingPlan({"ebc": module_plan})
+    return DistributedModelParallel(model, device=CPU, plan=plan, sharders=[kv_sharder]), plan
+
+
+def planned_model(
+    shardings: dict[str, str], with_stock: bool
+) -> tuple[DistributedModelParallel, ShardingPlan]:
+    """The stock planner, each KV table constrained to ``shardings[name]``."""
+    model, kv_sharder = meta_model(with_stock), sharder()
+    world = dist.get_world_size()
+    local = int(os.environ["LOCAL_WORLD_SIZE"])
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world, local_world_size=local, compute_device="cpu"),
+        constraints={n: ParameterConstraints(sharding_types=[s]) for n, s in shardings.items()},
+    )
+    plan = planner.collective_plan(model, [kv_sharder], dist.GroupMember.WORLD)
+    return DistributedModelParallel(model, device=CPU, plan=plan, sharders=[kv_sharder]), plan
+
+
+# ----------------------------------------------------------------- training
+def step(dmp, ref, batch: GlobalBatch, tally: Tally, label: str, stock: dict | None = None) -> None:
+    """One training step of both twins on ``batch``; ``stock``: the stock tables'
+    weights before any update, to check their outputs against (step 0)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    keys = KV_KEYS + (STOCK_KEYS if stock is not None else [])
+    kt = dmp(batch.kjt(keys, True, rank))
+    ref_kt = ref(batch.kjt(KV_KEYS, True)).to_dict()
+    compare_outputs(tally, {k: kt[k] for k in KV_KEYS}, ref_kt, KV_KEYS, rank)
+    rows = slice(rank * BATCH, (rank + 1) * BATCH)
+    got = torch.cat([kt[k] for k in KV_KEYS], 1)
+    tally.diff(f"{label} outputs", got, torch.cat([ref_kt[k][rows] for k in KV_KEYS], 1))
+    if stock:
+        for key, table in (("sa", "stock_a"), ("sb", "stock_b")):
+            lens, ids, w = batch.features[key]
+            offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+            want = nn.functional.embedding_bag(
+                ids, stock[table], offsets[:-1], mode="sum", per_sample_weights=w
+            )
+            tally.diff("stock outputs (step 0)", kt[key], want[rows])
+    loss = sum((kt[k] * batch.coeff[k][rows]).sum() for k in keys)
+    loss.backward()
+    (sum((ref_kt[k] * batch.coeff[k]).sum() for k in KV_KEYS) / world).backward()
+
+
+# ------------------------------------------------------------- comparisons
+def merged_tables(tables: dict, sharded: bool) -> dict[str, dict[str, torch.Tensor]]:
+    """Every KV table's export (sorted by id) and admission counts, over ranks."""
+    local = {name: (t.export(), admission_state(t)) for name, t in tables.items()}
+    merged: dict[str, list] = {}
+    for part in gather(local) if sharded else [local]:
+        for name, value in part.items():
+            merged.setdefault(name, []).append(value)
+    out = {}
+    for name, parts in merged.items():
+        export = {k: torch.cat([p[0][k] for p in parts]) for k in parts[0][0]}
+        order = torch.argsort(export["ids"])
+        out[name] = {k: v[order] for k, v in export.items()}
+        admission = [torch.cat([p[1][i] for p in parts]) for i in range(3)]
+        adm_order = torch.argsort(admission[0])
+        for i, key in enumerate(("admission_ids", "admission_counts", "admission_scores")):
+            out[name][key] = admission[i][adm_order]
+    return out
+
+
+def compare_exact(tally: Tally, got: dict, want: dict, label: str) -> None:
+    tally.check(f"{label}: tables", set(got) == set(want))
+    for name in want:
+        for key, value in want[name].items():
+            tally.exact(f"{label}: {name} {key}", got.get(name, {}).get(key), value)
+
+
+def compare_with_reference(tally: Tally, got: dict, ref: KVEmbeddingBagCollection) -> None:
+    """Ids and scores bit-exact, rows and optimizer state to float tolerance."""
+    for name, ref_table in ref.kv_tables().items():
+        want = ref_table.export()
+        same = torch.equal(got[name]["ids"], want["ids"])
+        tally.check(f"{name} same ids", same)
+        if not same:
+            continue
+        tally.exact(f"{name} same scores", got[name]["scores"], want["scores"])
+        tally.diff("rows", got[name]["weights"], want["weights"])
+        for key in want:
+            if key not in ("ids", "weights", "scores"):
+                tally.diff("optimizer state", got[name][key], want[key])
+
+
+def check_twrw_shards(tally: Tally, dmp, ref: KVEmbeddingBagCollection, plan) -> None:
+    """Each table on the ranks of its node only, every id on the local rank owning
+    its bucket, ``1 / L`` of the capacity per shard, the state_dict's bucket ranges
+    and the fused optimizer's state by id."""
+    rank = dist.get_rank()
+    sharded = dmp.module.ebc
+    local = sharded.kv_tables()
+    holders = gather(sorted(local))
+    for name in OPTIONS:
+        ranks = plan.plan["ebc"][name].ranks
+        node = [r for r, names in enumerate(holders) if name in names]
+        tally.check(f"{name} on the ranks of its node", node == ranks and len(ranks) == LOCAL)
+        if name not in local:
+            continue
+        table = local[name]
+        options = shard_options(ref.table(name).options, LOCAL)
+        tally.check(
+            f"{name} shard capacity",
+            table.capacity == resolve_capacity(options, table.dim, table.state_dim),
+        )
+        g = options.total_num_buckets
+        owner = route_bucket(table.export()["ids"], g) // (g // LOCAL)
+        tally.check(f"{name} ids on their local rank", bool((owner == ranks.index(rank)).all()))
+    layouts = {layout.name: layout for layout in sharded.kv_layouts()}
+    for name in OPTIONS:
+        ranks = plan.plan["ebc"][name].ranks
+        g = OPTIONS[name].total_num_buckets
+        want = None
+        if rank in ranks:
+            local_rank = ranks.index(rank)
+            want = (local_rank * g // LOCAL, (local_rank + 1) * g // LOCAL)
+        tally.check(f"{name} layout owns its buckets", layouts[name].owned == want)
+        tally.check(f"{name} layout sharding", layouts[name].sharding == TWRW)
+    state = dmp.state_dict()
+    for name in OPTIONS:
+        key = f"ebc.embedding_bags.{name}."
+        bucket = state[key + "bucket"]
+        tally.check(f"{name} state_dict buckets", bucket.size(0) == OPTIONS[name].total_num_buckets)
+        tally.check(
+            f"{name} state_dict rows", state[key + "weight_id"].size(0) == ref.table(name).size
+        )
+    optim = dmp.fused_optimizer.state_dict()["state"]
+    for name, table in local.items():
+        by_id = optim[f"ebc.embedding_bags.{name}.weight"]["by_id"]
+        ids = by_id["weight_id"]
+        tally.check(f"{name} optimizer state rows", ids.size(0) == ref.table(name).size)
+        mine = torch.cat([s.tensor for s in ids.local_shards()])
+        tally.exact(
+            f"{name} optimizer state ids",
+            torch.sort(mine).values,
+            torch.sort(table.export()["ids"]).values,
+        )
+
+
+# ---------------------------------------------------------------- scenarios
+def twrw_training(directory: Path):
+    def run() -> dict:
+        world = dist.get_world_size()
+        dmp, plan = placed_twrw_model()
+        ref = reference()
+        tally = Tally(TOL)
+        for name, host in HOSTS.items():
+            ps = plan.plan["ebc"][name]
+            tally.check(
+                f"{name} planned", ps.sharding_type == TWRW and ps.compute_kernel == KV_KERNEL
+            )
+            tally.check(
+                f"{name} on node {host}", ps.ranks == [host * LOCAL + r for r in range(LOCAL)]
+            )
+        pools = id_pools(2**62)
+        stock = gather_stock_weights(dmp)
+        for s in range(STEPS):
+            batch = global_batch(s, world, pools, DIMS)
+            step(dmp, ref, batch, tally, "train", stock if s == 0 else {})
+        dmp.eval()
+        ref.eval()
+        batch = global_batch(STEPS, world, id_pools(2**61), DIMS)
+        rank = dist.get_rank()
+        with torch.no_grad():
+            kt = dmp(batch.kjt(KV_KEYS + STOCK_KEYS, True, rank))
+            ref_kt = ref(batch.kjt(KV_KEYS, True)).to_dict()
+        for key in KV_KEYS:
+            tally.diff("eval outputs", kt[key], ref_kt[key][rank * BATCH : (rank + 1) * BATCH])
+        dmp.train()
+        ref.train()
+        got = merged_tables(dmp.module.ebc.kv_tables(), True)
+        compare_with_reference(tally, got, ref)
+        check_twrw_shards(tally, dmp, ref, plan)
+        ckpt.save(dmp, directory / "ckpt")
+        if rank == 0:
+            torch.save(got, directory / "expected.pt")
+        dist.barrier()
+        TRAINED["reference"] = ref
+        result = tally.result()
+        result["plan"] = plan_summary(plan)
+        return result
+
+    return run
+
+
+def planner_scenario() -> dict:
+    world = dist.get_world_size()
+    dmp, plan = planned_model({name: TWRW for name in OPTIONS}, with_stock=True)
+    ref = reference()
+    tally = Tally(TOL)
+    for name in OPTIONS:
+        ps = plan.plan["ebc"][name]
+        tally.check(f"{name} planned {TWRW}", ps.sharding_type == TWRW)
+        tally.check(f"{name} planned {KV_KERNEL}", ps.compute_kernel == KV_KERNEL)
+        node = ps.ranks[0] // LOCAL
+        tally.check(f"{name} on one node", ps.ranks == [node * LOCAL + r for r in range(LOCAL)])
+    pools = id_pools(2**62)
+    for s in range(2):
+        step(dmp, ref, global_batch(s, world, pools, DIMS), tally, "planned", {})
+    compare_with_reference(tally, merged_tables(dmp.module.ebc.kv_tables(), True), ref)
+    result = tally.result()
+    result["plan"] = plan_summary(plan)
+    return result
+
+
+def load_row_wise(directory: Path):
+    def run() -> dict:
+        world = dist.get_world_size()
+        dmp, plan = planned_model({name: RW for name in OPTIONS}, with_stock=False)
+        tally = Tally(TOL)
+        for name in OPTIONS:
+            tally.check(f"{name} planned {RW}", plan.plan["ebc"][name].sharding_type == RW)
+        ckpt.load(dmp, directory / "ckpt")
+        want = torch.load(directory / "expected.pt")
+        compare_exact(tally, merged_tables(dmp.module.ebc.kv_tables(), True), want, "row_wise")
+        # One step further from the checkpoint and from the reference that was never stopped.
+        ref = TRAINED["reference"]
+        batch = global_batch(STEPS + 1, world, id_pools(2**62), DIMS)
+        step(dmp, ref, batch, tally, "after load")
+        compare_with_reference(tally, merged_tables(dmp.module.ebc.kv_tables(), True), ref)
+        result = tally.result()
+        result["plan"] = plan_summary(plan)
+        return result
+
+    return run
+
+
+def load_scenario(directory: Path) -> dict:
+    """``DIR/ckpt`` into ``user`` table-row-wise over one node of every rank and
+    ``item`` row-wise: every id's row, state, score and admission count bit-exact."""
+    dmp, plan = planned_model({"user": TWRW, "item": RW}, with_stock=False)
+    tally = Tally(TOL)
+    world = dist.get_world_size()
+    tally.check("user planned table_row_wise", plan.plan["ebc"]["user"].sharding_type == TWRW)
+    tally.check("user on every rank", plan.plan["ebc"]["user"].ranks == list(range(world)))
+    tally.check("item planned row_wise", plan.plan["ebc"]["item"].sharding_type == RW)
+    ckpt.load(dmp, directory / "ckpt")
+    want = torch.load(directory / "expected.pt")
+    got = merged_tables(dmp.module.ebc.kv_tables(), True)
+    compare_exact(tally, got, want, f"{world} ranks")
+    result = tally.result()
+    result["plan"] = plan_summary(plan)
+    return result
+
+
+def load_unsharded(directory: str) -> dict:
+    """``DIR/ckpt`` into an unsharded KV collection, in this process."""
+    model = EBCModel(reference())
+    ckpt.load(model, Path(directory) / "ckpt")
+    want = torch.load(Path(directory) / "expected.pt")
+    tally = Tally(TOL)
+    compare_exact(tally, merged_tables(model.ebc.kv_tables(), False), want, "unsharded")
+    return tally.result()
+
+
+def main() -> None:
+    job, directory = sys.argv[1], Path(sys.argv[2])
+    if job == "train":
+        # 4 processes as 2 nodes x 2 local ranks: TorchRec reads LOCAL_WORLD_SIZE.
+        os.environ["LOCAL_WORLD_SIZE"] = str(LOCAL)
+        scenarios = {
+            "twrw_training": twrw_training(directory),
+            "planner": planner_scenario,
+            "load_row_wise": load_row_wise(directory),
+        }
+    else:
+        scenarios = {"load": lambda: load_scenario(directory)}
+    with gloo_job():
+        run_scenarios(str(directory / f"{job}.json"), scenarios)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
