@@ -201,3 +201,16 @@ def test_sequence_tables_refuse_table_row_wise():
         ValueError, match="table 'kv': KV sequence tables do not shard table_row_wise"
     ):
         sharder.shard(EmbeddingCollection(configs, device=META), plan, env)
+
+
+@pytest.mark.parametrize("fake_pg", [pytest.param(4, id="4-ranks")], indirect=True)
+def test_input_dist_refuses_a_batch_size_per_feature(fake_pg):
+    input_dist = KVTwRwSparseFeaturesDist(fake_pg, 2, [1, 1, 1, 1], [64, 64], [False, False])
+    vbe = KeyedJaggedTensor(
+        keys=["a", "b"],
+        values=torch.arange(6),
+        lengths=torch.tensor([1, 2, 1, 1, 1]),
+        stride_per_key_per_rank=[[2], [3]],
+    )
+    with pytest.raises(ValueError, match="table_row_wise KV tables: variable batch size"):
+        input_dist(vbe)
