@@ -28,7 +28,9 @@ def trained(tmp_path_factory) -> tuple[Path, dict]:
     job = run_job(torchrun_command(4, "-m", WORKER, "train", str(directory)))
     result = read_result(directory / "train.json", job)
     assert result["world_size"] == 4
-    assert_scenarios_passed(result, job, {"twrw_training", "planner", "load_row_wise"})
+    assert_scenarios_passed(
+        result, job, {"twrw_training", "planner", "load_row_wise", "load_swapped_nodes"}
+    )
     return directory, result
 
 
@@ -61,6 +63,12 @@ def test_checkpoint_loads_row_wise_at_four(trained):
     assert "after load outputs" in scenario["max_abs_diff"]
     marker = checkpoint.read_marker(trained[0] / "ckpt")
     assert {t["sharding"] for t in marker["tables"].values()} == {"table_row_wise"}
+
+
+def test_checkpoint_loads_table_row_wise_on_the_other_nodes(trained):
+    scenario = trained[1]["scenarios"]["load_swapped_nodes"]
+    assert scenario["plan"]["ebc.user"] == "table_row_wise/customized_kernel ranks=[0, 1]"
+    assert scenario["checks"]["swapped nodes: item weights"]
 
 
 def test_checkpoint_loads_at_three(trained):

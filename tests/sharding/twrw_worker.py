@@ -21,6 +21,8 @@ before the process group starts, which TorchRec reads for its node groups)::
   reference does.
 * ``load_row_wise``: ``DIR/ckpt`` loaded into the same tables sharded row-wise
   over the 4 ranks: bit-exact rows, then one more step equal to the reference's.
+* ``load_swapped_nodes``: ``DIR/ckpt`` loaded table-row-wise with each table on
+  the other node: bit-exact rows.
 
 Load job (3 processes, one node of 3: ``user`` table-row-wise, ``item``
 row-wise)::
@@ -105,15 +107,18 @@ def meta_model(with_stock: bool) -> EBCModel:
     return EBCModel(EmbeddingBagCollection(configs, device=META, is_weighted=True))
 
 
-def placed_twrw_model() -> tuple[DistributedModelParallel, ShardingPlan]:
-    """KV tables table-row-wise on the nodes of ``HOSTS``, stock tables table-wise."""
-    model, kv_sharder = meta_model(True), sharder()
-    per_table = {name: table_row_wise(host_index=host) for name, host in HOSTS.items()}
-    per_table.update({"stock_a": table_wise(rank=1), "stock_b": table_wise(rank=2)})
+def placed_twrw_model(
+    hosts: dict[str, int], with_stock: bool = True
+) -> tuple[DistributedModelParallel, ShardingPlan]:
+    """KV tables table-row-wise on the nodes of ``hosts``, stock tables table-wise."""
+    model, kv_sharder = meta_model(with_stock), sharder()
+    per_table = {name: table_row_wise(host_index=host) for name, host in hosts.items()}
+    if with_stock:
+        per_table.update({"stock_a": table_wise(rank=1), "stock_b": table_wise(rank=2)})
     module_plan = construct_module_sharding_plan(
         model.ebc, per_table, kv_sharder, local_size=LOCAL, world_size=4, device_type="cpu"
     )
-    for name in HOSTS:
+    for name in hosts:
         module_plan[name].compute_kernel = KV_KERNEL
     plan = ShardingPlan({"ebc": module_plan})
     return DistributedModelParallel(model, device=CPU, plan=plan, sharders=[kv_sharder]), plan
@@ -259,7 +264,7 @@ def check_twrw_shards(tally: Tally, dmp, ref: KVEmbeddingBagCollection, plan) ->
 def twrw_training(directory: Path):
     def run() -> dict:
         world = dist.get_world_size()
-        dmp, plan = placed_twrw_model()
+        dmp, plan = placed_twrw_model(HOSTS)
         ref = reference()
         tally = Tally(TOL)
         for name, host in HOSTS.items():
@@ -343,6 +348,25 @@ def load_row_wise(directory: Path):
     return run
 
 
+def load_swapped_nodes(directory: Path):
+    def run() -> dict:
+        swapped = {name: 1 - host for name, host in HOSTS.items()}
+        dmp, plan = placed_twrw_model(swapped, with_stock=False)
+        tally = Tally(TOL)
+        for name, host in swapped.items():
+            ranks = plan.plan["ebc"][name].ranks
+            tally.check(f"{name} on node {host}", ranks == [host * LOCAL + r for r in range(LOCAL)])
+        ckpt.load(dmp, directory / "ckpt")
+        want = torch.load(directory / "expected.pt")
+        got = merged_tables(dmp.module.ebc.kv_tables(), True)
+        compare_exact(tally, got, want, "swapped nodes")
+        result = tally.result()
+        result["plan"] = plan_summary(plan)
+        return result
+
+    return run
+
+
 def load_scenario(directory: Path) -> dict:
     """``DIR/ckpt`` into ``user`` table-row-wise over one node of every rank and
     ``item`` row-wise: every id's row, state, score and admission count bit-exact."""
@@ -380,6 +404,7 @@ def main() -> None:
             "twrw_training": twrw_training(directory),
             "planner": planner_scenario,
             "load_row_wise": load_row_wise(directory),
+            "load_swapped_nodes": load_swapped_nodes(directory),
         }
     else:
         scenarios = {"load": lambda: load_scenario(directory)}
