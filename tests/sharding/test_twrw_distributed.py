@@ -5,6 +5,7 @@ One train job of 4 processes standing for 2 nodes x 2 local ranks (one
 the process group starts) checks training against the unsharded collection,
 the stock planner proposing table-row-wise, and saves a checkpoint that it
 loads row-wise; a 3-process job and this process load that checkpoint too.
+The train job also trains a sequence collection of table-row-wise KV tables.
 The jobs write their figures to JSON (see ``twrw_worker.py``); the assertions
 are here.
 """
@@ -29,7 +30,9 @@ def trained(tmp_path_factory) -> tuple[Path, dict]:
     result = read_result(directory / "train.json", job)
     assert result["world_size"] == 4
     assert_scenarios_passed(
-        result, job, {"twrw_training", "planner", "load_row_wise", "load_swapped_nodes"}
+        result,
+        job,
+        {"twrw_training", "planner", "load_row_wise", "load_swapped_nodes", "sequence_twrw"},
     )
     return directory, result
 
@@ -47,6 +50,19 @@ def test_training_matches_unsharded_on_two_nodes(trained):
     ):
         assert name in scenario["max_abs_diff"]
     for check in ("user ids on their local rank", "item optimizer state ids", "user same scores"):
+        assert scenario["checks"][check]
+
+
+def test_sequence_tables_match_unsharded_on_two_nodes(trained):
+    scenario = trained[1]["scenarios"]["sequence_twrw"]
+    assert scenario["plan"]["ec.item"] == "table_row_wise/customized_kernel ranks=[2, 3]"
+    assert scenario["plan"]["ec.user"] == "table_row_wise/customized_kernel ranks=[0, 1]"
+    assert {"outputs", "sequence rows", "sequence optimizer state"} <= set(scenario["max_abs_diff"])
+    for check in (
+        "item ids on their local rank",
+        "output lengths",
+        "sequence user weights loaded table-wise",
+    ):
         assert scenario["checks"][check]
 
 

@@ -1,13 +1,12 @@
 """Table-row-wise routing in one process (fake process group): which rank each id
-is sent to, the buckets each rank owns, bad plans and options."""
+is sent to (bags and sequences), the buckets each rank owns, bad plans and options."""
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torchrec.distributed.types import ParameterSharding, ShardingEnv
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
-from torchrec.modules.embedding_modules import EmbeddingCollection
+from torchrec.distributed.sharding.twrw_sharding import TwRwSparseFeaturesDist
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvemb import KVEmbeddingCollectionSharder, KVTableOptions
@@ -18,10 +17,10 @@ from torchrec_kvemb.sharding.twrw import (
     check_node_buckets,
     node_ranks,
 )
+from torchrec_kvemb.sharding.twrw_sequence import KVTwRwSequenceFeaturesDist, node_major_order
 from torchrec_kvemb.state_dict.layout import sharded_layouts, table_owned_buckets
 
 TWRW = "table_row_wise"
-META = torch.device("meta")
 
 
 @pytest.fixture
@@ -173,34 +172,53 @@ def test_input_dist_refuses_buckets_the_node_cannot_split(fake_pg):
         KVTwRwSparseFeaturesDist(fake_pg, 2, [1, 1, 0, 0], [63], [False])
 
 
-def test_bag_sharder_offers_table_row_wise_sequence_sharder_does_not():
-    bag = KVEmbeddingBagCollectionSharder({"kv": KVTableOptions(capacity=64)})
-    seq = KVEmbeddingCollectionSharder({"kv": KVTableOptions(capacity=64)})
-    assert TWRW in bag.kv_sharding_types and TWRW in bag.sharding_types("cpu")
-    assert TWRW not in seq.kv_sharding_types
-    assert KV_COMPUTE_KERNEL not in seq.compute_kernels(TWRW, "cpu")
-
-
-def test_sequence_tables_refuse_table_row_wise():
-    configs = [
-        EmbeddingConfig(
-            name="kv",
-            embedding_dim=4,
-            num_embeddings=2**40,
-            feature_names=["f"],
-            weight_init_max=0.1,
-            weight_init_min=-0.1,
-        ),
-    ]
-    sharder = KVEmbeddingCollectionSharder({"kv": KVTableOptions(capacity=64)})
-    plan = {
-        "kv": ParameterSharding(sharding_type=TWRW, compute_kernel=KV_COMPUTE_KERNEL, ranks=[0, 1])
-    }
-    env = ShardingEnv(world_size=2, rank=0, pg=None)
-    with pytest.raises(
-        ValueError, match="table 'kv': KV sequence tables do not shard table_row_wise"
+def test_both_sharders_offer_table_row_wise_for_kv_tables():
+    for sharder in (
+        KVEmbeddingBagCollectionSharder({"kv": KVTableOptions(capacity=64)}),
+        KVEmbeddingCollectionSharder({"kv": KVTableOptions(capacity=64)}),
     ):
-        sharder.shard(EmbeddingCollection(configs, device=META), plan, env)
+        assert TWRW in sharder.kv_sharding_types and TWRW in sharder.sharding_types("cpu")
+        assert KV_COMPUTE_KERNEL in sharder.compute_kernels(TWRW, "cpu")
+
+
+@pytest.mark.parametrize("fake_pg", [pytest.param(6, id="6-ranks")], indirect=True)
+@pytest.mark.parametrize(
+    "features_per_rank, local",
+    [
+        pytest.param([3, 3, 1, 1, 2, 2], 2, id="3-nodes-of-2"),
+        pytest.param([2, 2, 2, 4, 4, 4], 3, id="2-nodes-of-3"),
+    ],
+)
+def test_node_major_order_is_torchrecs_table_row_wise_shuffle(fake_pg, features_per_rank, local):
+    stock = TwRwSparseFeaturesDist(
+        fake_pg,
+        local,
+        features_per_rank,
+        feature_hash_sizes=[local] * sum(features_per_rank[::local]),
+    )
+    assert node_major_order(features_per_rank, local) == stock._sf_staggered_shuffle
+
+
+@pytest.mark.parametrize("fake_pg", [pytest.param(4, id="4-ranks")], indirect=True)
+def test_sequence_input_dist_records_where_each_id_went(fake_pg):
+    features, node_of, num_buckets = ["a", "b", "c"], [0, 0, 1], [64, 64, 10]
+    input_dist = KVTwRwSequenceFeaturesDist(fake_pg, 2, [2, 2, 1, 1], num_buckets)
+    sent = []
+
+    class Capture(torch.nn.Module):
+        def forward(self, routed: KeyedJaggedTensor) -> None:
+            sent.append(routed)
+
+    input_dist._dist = Capture()
+    kjt = _batch(features, stride=7, weighted=False)
+    input_dist(kjt)
+    (routed,) = sent
+    expected = _expected(kjt, node_of, num_buckets, [False] * 3, 2, 4)
+    assert routed.keys() == [key for r in range(4) for key, *_ in expected[r]]
+    want_ids = [i for r in range(4) for _, _, ids, _ in expected[r] for i in ids]
+    assert torch.equal(routed.values(), torch.tensor(want_ids, dtype=torch.int64))
+    # The output dist puts row unbucketize_permute[i] of what was sent back as id i's.
+    assert torch.equal(routed.values()[input_dist.unbucketize_permute_tensor], kjt.values())
 
 
 @pytest.mark.parametrize("fake_pg", [pytest.param(4, id="4-ranks")], indirect=True)

@@ -20,7 +20,6 @@ from torchrec.distributed.types import (
     ParameterSharding,
     QuantizedCommCodecs,
     ShardingEnv,
-    ShardingType,
 )
 from torchrec.modules.embedding_configs import EmbeddingConfig
 
@@ -36,8 +35,6 @@ from torchrec_kvemb.sharding.sharded_common import (
     kv_groups_first,
 )
 from torchrec_kvemb.state_dict.hooks import register_sharded_hooks
-
-TABLE_ROW_WISE = ShardingType.TABLE_ROW_WISE.value
 
 
 class _KVSequenceCollectionView(KVModuleView):
@@ -112,13 +109,6 @@ class ShardedKVEmbeddingCollection(KVShardedMixin, ShardedEmbeddingCollection):
     def kv_module_to_shard(
         self, module: nn.Module, specs: KVTableSpecs, plan: dict[str, ParameterSharding]
     ) -> nn.Module:
-        for name, sharding in plan.items():
-            if name in specs.options and sharding.sharding_type == TABLE_ROW_WISE:
-                raise ValueError(
-                    f"table {name!r}: KV sequence tables do not shard {TABLE_ROW_WISE} "
-                    "(TorchRec's EmbeddingCollection has no table-row-wise sharding); "
-                    "plan it row_wise or table_wise"
-                )
         check_plan(specs.options, module.embedding_configs(), plan, list(KV_SEQUENCE_SHARDINGS))
         if isinstance(module, KVEmbeddingCollection):
             return _KVSequenceCollectionView(module)
