@@ -89,7 +89,7 @@ class _StockWeightsView:
 
 class ShardedKVEmbeddingCollection(KVShardedMixin, ShardedEmbeddingCollection):
     """A sharded ``EmbeddingCollection`` (or ``KVEmbeddingCollection``) whose KV tables
-    are sharded row-wise or table-wise over ``KVTable`` shards.
+    are sharded row-wise, table-wise or table-row-wise over ``KVTable`` shards.
 
     Built by :class:`~torchrec_kvemb.KVEmbeddingCollectionSharder`; forward and
     ``fused_optimizer`` are TorchRec's. ``kv_tables()`` gives this rank's shards,

@@ -3,8 +3,8 @@
 Hand them to DMP (and to the planner) in place of TorchRec's
 ``EmbeddingBagCollectionSharder`` / ``EmbeddingCollectionSharder``. Tables they
 have ``KVTableOptions`` for become KV tables (compute kernel
-``customized_kernel``, sharded row-wise or table-wise); the others are sharded
-exactly as the stock sharder would. Planning answers per table
+``customized_kernel``, sharded row-wise, table-wise or table-row-wise); the
+others are sharded exactly as the stock sharder would. Planning answers per table
 (:mod:`.sharder_base`).
 """
 
@@ -59,8 +59,8 @@ class KVEmbeddingBagCollectionSharder(KVSharderBase, EmbeddingBagCollectionShard
 
 class KVEmbeddingCollectionSharder(KVSharderBase, EmbeddingCollectionSharder):
     """Shards an ``EmbeddingCollection`` (sequence embeddings: one row per id) whose
-    tables named in ``table_options`` are KV tables (row-wise or table-wise); the
-    other tables stay stock. Arguments as for
+    tables named in ``table_options`` are KV tables (row-wise, table-wise or
+    table-row-wise); the other tables stay stock. Arguments as for
     :class:`KVEmbeddingBagCollectionSharder`; ``module_type`` is
     ``EmbeddingCollection`` (default) or ``KVEmbeddingCollection``.
 
