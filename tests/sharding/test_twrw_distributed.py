@@ -57,7 +57,14 @@ def test_sequence_tables_match_unsharded_on_two_nodes(trained):
     scenario = trained[1]["scenarios"]["sequence_twrw"]
     assert scenario["plan"]["ec.item"] == "table_row_wise/customized_kernel ranks=[2, 3]"
     assert scenario["plan"]["ec.user"] == "table_row_wise/customized_kernel ranks=[0, 1]"
-    assert {"outputs", "sequence rows", "sequence optimizer state"} <= set(scenario["max_abs_diff"])
+    assert scenario["plan"]["ec.stock"] == "table_wise/fused ranks=[3]"
+    figures = {
+        "outputs",
+        "sequence rows",
+        "sequence optimizer state",
+        "sequence stock outputs (step 0)",
+    }
+    assert figures <= set(scenario["max_abs_diff"])
     for check in (
         "item ids on their local rank",
         "output lengths",

@@ -24,7 +24,8 @@ before the process group starts, which TorchRec reads for its node groups)::
 * ``load_swapped_nodes``: ``DIR/ckpt`` loaded table-row-wise with each table on
   the other node: bit-exact rows.
 * ``sequence_twrw``: the same for an ``EmbeddingCollection`` of two KV tables
-  table-row-wise on different nodes: rows at every step against the unsharded
+  table-row-wise on different nodes and a stock table-wise table: rows at
+  every step against the unsharded
   ``KVEmbeddingCollection``, tables at the end, and its checkpoint
   (``DIR/ec_ckpt``) loaded table-wise.
 
@@ -87,6 +88,8 @@ from torchrec_kvemb.table import resolve_capacity
 
 TWRW, RW, TW = "table_row_wise", "row_wise", "table_wise"
 KV_KERNEL = "customized_kernel"
+#: The stock tables' kernel in hand-made plans (fbgemm's TBE, as the planner picks).
+STOCK_KERNEL = "fused"
 #: Ranks per node of the train job.
 LOCAL = 2
 #: Float32 sums in another order.
@@ -128,8 +131,8 @@ def placed_twrw_model(
     module_plan = construct_module_sharding_plan(
         model.ebc, per_table, kv_sharder, local_size=LOCAL, world_size=4, device_type="cpu"
     )
-    for name in hosts:
-        module_plan[name].compute_kernel = KV_KERNEL
+    for name, sharding in module_plan.items():
+        sharding.compute_kernel = KV_KERNEL if name in hosts else STOCK_KERNEL
     plan = ShardingPlan({"ebc": module_plan})
     return DistributedModelParallel(model, device=CPU, plan=plan, sharders=[kv_sharder]), plan
 
@@ -378,34 +381,46 @@ def load_swapped_nodes(directory: Path):
 
 
 def sequence_twrw(directory: Path):
-    """An ``EmbeddingCollection`` of two KV tables table-row-wise on different nodes:
-    rows at every step and an eval step against the unsharded
-    ``KVEmbeddingCollection``, every id's row, state and score at the end, each id
-    on its local owner; its checkpoint loaded table-wise, bit-exact. (No stock
-    table here: a stock sequence table beside KV ones crashes at 4 ranks, with
-    table-wise KV tables too; see docs/sharding.md.)"""
+    """An ``EmbeddingCollection`` of two KV tables table-row-wise on different nodes
+    and a stock table-wise table: rows at every step and an eval step against the
+    unsharded ``KVEmbeddingCollection`` (stock rows against their weights), every
+    id's row, state and score at the end, each id on its local owner; its
+    checkpoint loaded table-wise, bit-exact."""
 
     def run() -> dict:
         world, rank = dist.get_world_size(), dist.get_rank()
         kv_sharder = KVEmbeddingCollectionSharder(ec.OPTIONS, fused_params=ec.ADAGRAD)
-        model = ec.ECModel(EmbeddingCollection(ec.kv_configs(), device=META))
+        model = ec.ECModel(EmbeddingCollection(ec.kv_configs() + [ec.STOCK], device=META))
         hosts = {"item": 1, "user": 0}
         per_table = {name: table_row_wise(host_index=host) for name, host in hosts.items()}
+        per_table["stock"] = table_wise(rank=3)
         module_plan = construct_module_sharding_plan(
             model.ec, per_table, kv_sharder, local_size=LOCAL, world_size=world, device_type="cpu"
         )
         for name in hosts:
             module_plan[name].compute_kernel = KV_KERNEL
+        # why fused: stock TorchRec's sequence table-wise DENSE kernel corrupts the heap
+        # at 4 gloo ranks (docs/sharding.md, "Table-row-wise").
+        module_plan["stock"].compute_kernel = STOCK_KERNEL
         plan = ShardingPlan({"ec": module_plan})
         dmp = DistributedModelParallel(model, device=CPU, plan=plan, sharders=[kv_sharder])
         ref = KVEmbeddingCollection(ec.kv_configs(), ec.OPTIONS, fused_params=ec.ADAGRAD)
         tally = Tally(TOL)
-        ec.train(dmp, ref, tally)
+        stock = ec.full_stock_weight(dmp)
+        batch = ec.GlobalBatch(0, world, ec.KEYS + ["s"])
+        out = dmp(batch.kjt(ec.KEYS + ["s"], rank))
+        ref_out = ref(batch.kjt(ec.KEYS))
+        ec.compare_outputs(tally, out, ref_out, batch, rank)
+        ids = batch.features["s"][1][batch.span("s", rank)]
+        tally.diff("sequence stock outputs (step 0)", out["s"].values(), stock[ids])
+        batch.loss(out, rank).backward()
+        (batch.loss(ref_out, None) / world).backward()
+        ec.train(dmp, ref, tally, ec.KEYS + ["s"])
         dmp.eval()
         ref.eval()
-        batch = ec.GlobalBatch(ec.STEPS, world, ec.KEYS)
+        batch = ec.GlobalBatch(ec.STEPS, world, ec.KEYS + ["s"])
         with torch.no_grad():
-            out = dmp(batch.kjt(ec.KEYS, rank))
+            out = dmp(batch.kjt(ec.KEYS + ["s"], rank))
             ec.compare_outputs(tally, out, ref(batch.kjt(ec.KEYS)), batch, rank)
         dmp.train()
         merged = ec.merged_exports(dmp.module.ec)
