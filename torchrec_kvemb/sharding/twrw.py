@@ -183,19 +183,21 @@ class KVTwRwPooledEmbeddingsLookup(KVGroupedPooledEmbeddingsLookup):
         return KVEmbeddingBag(config, lookup, group=self._kv_node_pg, row_wise=True)
 
 
-class KVTwRwPooledEmbeddingSharding(KVLookupMixin, TwRwPooledEmbeddingSharding):
-    """TorchRec's table-row-wise pooled sharding with KV routing and KV lookups.
-
-    Each table lives on the ranks of one node, each holding ``1 / L`` of its
-    capacity (``L``: the local world size, from ``LOCAL_WORLD_SIZE``).
+class KVNodeShardingMixin(KVLookupMixin):
+    """What the table-row-wise KV shardings (bags and sequences) share, mixed in
+    before a TorchRec ``BaseTwRwEmbeddingSharding``: the plan and bucket checks,
+    this rank's grouped configs (its node's tables), ``L`` shards per table.
 
     Example::
 
-        sharding = KVTwRwPooledEmbeddingSharding(sharding_infos, env, device, specs=specs)
+        class KVTwRwPooledEmbeddingSharding(KVNodeShardingMixin, TwRwPooledEmbeddingSharding):
+            kv_sharding_type = ShardingType.TABLE_ROW_WISE
     """
 
-    kv_sharding_type = ShardingType.TABLE_ROW_WISE
-    kv_lookup_class = KVTwRwPooledEmbeddingsLookup
+    _local_size: int
+    _world_size: int
+    _rank: int
+    _grouped_embedding_configs_per_rank: list[list[GroupedEmbeddingConfig]]
 
     def __init__(
         self,
@@ -222,6 +224,21 @@ class KVTwRwPooledEmbeddingSharding(KVLookupMixin, TwRwPooledEmbeddingSharding):
     def kv_num_shards(self) -> int:
         """How many ranks share each table: the local world size."""
         return self._local_size
+
+
+class KVTwRwPooledEmbeddingSharding(KVNodeShardingMixin, TwRwPooledEmbeddingSharding):
+    """TorchRec's table-row-wise pooled sharding with KV routing and KV lookups.
+
+    Each table lives on the ranks of one node, each holding ``1 / L`` of its
+    capacity (``L``: the local world size, from ``LOCAL_WORLD_SIZE``).
+
+    Example::
+
+        sharding = KVTwRwPooledEmbeddingSharding(sharding_infos, env, device, specs=specs)
+    """
+
+    kv_sharding_type = ShardingType.TABLE_ROW_WISE
+    kv_lookup_class = KVTwRwPooledEmbeddingsLookup
 
     def create_input_dist(self, device: torch.device | None = None) -> KVTwRwSparseFeaturesDist:
         tables = [

@@ -23,28 +23,22 @@ from torchrec.distributed.embedding_lookup import BaseEmbeddingLookup
 from torchrec.distributed.embedding_sharding import (
     BaseEmbeddingDist,
     BaseSparseFeaturesDist,
-    EmbeddingShardingInfo,
 )
 from torchrec.distributed.embedding_types import (
     BaseGroupedFeatureProcessor,
-    GroupedEmbeddingConfig,
 )
 from torchrec.distributed.sharding.rw_sharding import RwSparseFeaturesDist
 from torchrec.distributed.sharding.sequence_sharding import SequenceShardingContext
 from torchrec.distributed.sharding.twrw_sharding import BaseTwRwEmbeddingSharding
 from torchrec.distributed.types import (
     Awaitable,
-    QuantizedCommCodecs,
-    ShardingEnv,
     ShardingType,
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_kvemb.sharding.kv_embedding import KVTableSpecs
-from torchrec_kvemb.sharding.kv_lookup import KVLookupMixin
 from torchrec_kvemb.sharding.kv_sequence import KVGroupedEmbeddingsLookup
 from torchrec_kvemb.sharding.rw import route_kv_features
-from torchrec_kvemb.sharding.twrw import check_node_buckets, node_ranks
+from torchrec_kvemb.sharding.twrw import KVNodeShardingMixin
 
 
 def node_major_order(features_per_rank: Sequence[int], local_size: int) -> list[int]:
@@ -166,7 +160,7 @@ class KVTwRwSequenceEmbeddingDist(
 
 
 class KVTwRwSequenceEmbeddingSharding(
-    KVLookupMixin,
+    KVNodeShardingMixin,
     BaseTwRwEmbeddingSharding[
         SequenceShardingContext, KeyedJaggedTensor, torch.Tensor, torch.Tensor
     ],
@@ -181,32 +175,6 @@ class KVTwRwSequenceEmbeddingSharding(
 
     kv_sharding_type = ShardingType.TABLE_ROW_WISE
     kv_lookup_class = KVGroupedEmbeddingsLookup
-
-    def __init__(
-        self,
-        sharding_infos: list[EmbeddingShardingInfo],
-        env: ShardingEnv,
-        device: torch.device | None = None,
-        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
-        *,
-        specs: KVTableSpecs,
-    ) -> None:
-        super().__init__(
-            sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry, specs=specs
-        )
-        for info in sharding_infos:
-            name = info.embedding_config.name
-            node_ranks(name, info.param_sharding.ranks, self._local_size, self._world_size)
-            check_node_buckets(name, specs.options[name].total_num_buckets, self._local_size)
-
-    @property
-    def _grouped_embedding_configs(self) -> list[GroupedEmbeddingConfig]:
-        """This rank's grouped configs (the tables of its node)."""
-        return self._grouped_embedding_configs_per_rank[self._rank]
-
-    def kv_num_shards(self) -> int:
-        """How many ranks share each table: the local world size."""
-        return self._local_size
 
     def _features_per_rank_here(self) -> list[int]:
         return self._features_per_rank(self._grouped_embedding_configs_per_rank)
