@@ -101,6 +101,9 @@ def test_checkpoint_loads_at_three(trained):
     assert_scenarios_passed(result, job, {"load"})
     checks = result["scenarios"]["load"]["checks"]
     assert checks["3 ranks: user weights"] and checks["3 ranks: item momentum1"]
+    assert checks["sequence 3 ranks: user weights"] and checks["sequence 3 ranks: item scores"]
+    plan = result["scenarios"]["load"]["plan"]
+    assert plan["ec.user"] == "table_row_wise/customized_kernel ranks=[0, 1, 2]"
 
 
 def test_checkpoint_loads_unsharded(trained):
@@ -108,3 +111,4 @@ def test_checkpoint_loads_unsharded(trained):
     print(json.dumps(result, indent=1, sort_keys=True))
     assert result["passed"]
     assert result["checks"]["unsharded: user admission_counts"]
+    assert result["checks"]["sequence unsharded: item weights"]

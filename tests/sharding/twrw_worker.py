@@ -35,7 +35,8 @@ row-wise)::
     torchrun --nproc_per_node 3 -m tests.sharding.twrw_worker load DIR
 
 and :func:`load_unsharded` (1 process, in the test's process) compare what they
-loaded with ``expected.pt``, bit for bit. Rank 0 writes ``DIR/<job>.json``.
+loaded with ``expected.pt`` (and the sequence tables with ``ec_expected.pt``),
+bit for bit. Rank 0 writes ``DIR/<job>.json``.
 """
 
 from __future__ import annotations
@@ -443,6 +444,8 @@ def sequence_twrw(directory: Path):
                 tally.diff("sequence rows", got["weights"], want["weights"])
                 tally.diff("sequence optimizer state", got["momentum1"], want["momentum1"])
         ckpt.save(dmp, directory / "ec_ckpt")
+        if rank == 0:
+            torch.save({n: merged[n]["rows"] for n in hosts}, directory / "ec_expected.pt")
         loaded, _ = ec.sharded_model(TW, ec.ADAGRAD)
         ckpt.load(loaded, directory / "ec_ckpt")
         reloaded = ec.merged_exports(loaded.module.ec)
@@ -460,7 +463,9 @@ def sequence_twrw(directory: Path):
 
 def load_scenario(directory: Path) -> dict:
     """``DIR/ckpt`` into ``user`` table-row-wise over one node of every rank and
-    ``item`` row-wise: every id's row, state, score and admission count bit-exact."""
+    ``item`` row-wise: every id's row, state, score and admission count bit-exact;
+    ``DIR/ec_ckpt`` likewise into the sequence tables (``user`` table-row-wise,
+    ``item`` row-wise)."""
     dmp, plan = planned_model({"user": TWRW, "item": RW}, with_stock=False)
     tally = Tally(TOL)
     world = dist.get_world_size()
@@ -471,8 +476,27 @@ def load_scenario(directory: Path) -> dict:
     want = torch.load(directory / "expected.pt")
     got = merged_tables(dmp.module.ebc.kv_tables(), True)
     compare_exact(tally, got, want, f"{world} ranks")
+    # The sequence collection's checkpoint.
+    model = ec.ECModel(EmbeddingCollection(ec.kv_configs(), device=META))
+    kv_sharder = KVEmbeddingCollectionSharder(ec.OPTIONS, fused_params=ec.ADAGRAD)
+    shardings = {"user": TWRW, "item": RW}
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world, local_world_size=world, compute_device="cpu"),
+        constraints={n: ParameterConstraints(sharding_types=[t]) for n, t in shardings.items()},
+    )
+    ec_plan = planner.collective_plan(model, [kv_sharder], dist.GroupMember.WORLD)
+    for name, sharding in shardings.items():
+        tally.check(
+            f"sequence {name} planned {sharding}",
+            ec_plan.plan["ec"][name].sharding_type == sharding,
+        )
+    ec_dmp = DistributedModelParallel(model, device=CPU, plan=ec_plan, sharders=[kv_sharder])
+    ckpt.load(ec_dmp, directory / "ec_ckpt")
+    want = torch.load(directory / "ec_expected.pt")
+    merged = ec.merged_exports(ec_dmp.module.ec)
+    compare_exact(tally, {n: merged[n]["rows"] for n in want}, want, f"sequence {world} ranks")
     result = tally.result()
-    result["plan"] = plan_summary(plan)
+    result["plan"] = {**plan_summary(plan), **plan_summary(ec_plan)}
     return result
 
 
@@ -483,6 +507,13 @@ def load_unsharded(directory: str) -> dict:
     want = torch.load(Path(directory) / "expected.pt")
     tally = Tally(TOL)
     compare_exact(tally, merged_tables(model.ebc.kv_tables(), False), want, "unsharded")
+    sequence = ec.ECModel(
+        KVEmbeddingCollection(ec.kv_configs(), ec.OPTIONS, fused_params=ec.ADAGRAD)
+    )
+    ckpt.load(sequence, Path(directory) / "ec_ckpt")
+    want = torch.load(Path(directory) / "ec_expected.pt")
+    got = {n: t.export() for n, t in sequence.ec.kv_tables().items()}
+    compare_exact(tally, got, want, "sequence unsharded")
     return tally.result()
 
 
