@@ -32,7 +32,14 @@ def trained(tmp_path_factory) -> tuple[Path, dict]:
     assert_scenarios_passed(
         result,
         job,
-        {"twrw_training", "planner", "load_row_wise", "load_swapped_nodes", "sequence_twrw"},
+        {
+            "twrw_training",
+            "planner",
+            "load_row_wise",
+            "load_swapped_nodes",
+            "sequence_twrw",
+            "sequence_dedup",
+        },
     )
     return directory, result
 
@@ -71,6 +78,12 @@ def test_sequence_tables_match_unsharded_on_two_nodes(trained):
         "sequence user weights loaded table-wise",
     ):
         assert scenario["checks"][check]
+
+
+def test_sequence_tables_under_index_dedup(trained):
+    scenario = trained[1]["scenarios"]["sequence_dedup"]
+    assert scenario["checks"]["dedup user ids"] and scenario["checks"]["dedup item scores"]
+    assert {"outputs", "dedup rows"} <= set(scenario["max_abs_diff"])
 
 
 def test_planner_proposes_table_row_wise(trained):

@@ -28,6 +28,7 @@ before the process group starts, which TorchRec reads for its node groups)::
   every step against the unsharded
   ``KVEmbeddingCollection``, tables at the end, and its checkpoint
   (``DIR/ec_ckpt``) loaded table-wise.
+* ``sequence_dedup``: sequence tables table-row-wise under ``use_index_dedup``.
 
 Load job (3 processes, one node of 3: ``user`` table-row-wise, ``item``
 row-wise)::
@@ -81,6 +82,7 @@ from torchrec_kvemb import (
     KVEmbeddingBagCollectionSharder,
     KVEmbeddingCollection,
     KVEmbeddingCollectionSharder,
+    KVTableOptions,
 )
 from torchrec_kvemb.ops.hashing import route_bucket
 from torchrec_kvemb.sharding.kv_embedding import shard_options
@@ -381,6 +383,44 @@ def load_swapped_nodes(directory: Path):
     return run
 
 
+def sequence_dedup() -> dict:
+    """Sequence KV tables table-row-wise under ``use_index_dedup`` (each rank sends
+    each (table, id) of its batch once): rows at every step and the tables at the
+    end against the unsharded ``KVEmbeddingCollection``. (No admission or LFU here:
+    under dedup an id is sighted once per batch per rank, docs/sharding.md.)"""
+    world = dist.get_world_size()
+    options = {
+        "item": ec.OPTIONS["item"],
+        "user": KVTableOptions(capacity=1024, seed=4, total_num_buckets=90),
+    }
+    kv_sharder = KVEmbeddingCollectionSharder(
+        options, fused_params=ec.ADAGRAD, use_index_dedup=True
+    )
+    model = ec.ECModel(EmbeddingCollection(ec.kv_configs(), device=META))
+    per_table = {"item": table_row_wise(host_index=0), "user": table_row_wise(host_index=1)}
+    module_plan = construct_module_sharding_plan(
+        model.ec, per_table, kv_sharder, local_size=LOCAL, world_size=world, device_type="cpu"
+    )
+    for sharding in module_plan.values():
+        sharding.compute_kernel = KV_KERNEL
+    plan = ShardingPlan({"ec": module_plan})
+    dmp = DistributedModelParallel(model, device=CPU, plan=plan, sharders=[kv_sharder])
+    ref = KVEmbeddingCollection(ec.kv_configs(), options, fused_params=ec.ADAGRAD)
+    tally = Tally(TOL)
+    ec.train(dmp, ref, tally)
+    merged = ec.merged_exports(dmp.module.ec)
+    for name, ref_table in ref.kv_tables().items():
+        want = ref_table.export()
+        got = merged[name]["rows"]
+        tally.exact(f"dedup {name} ids", got["ids"], want["ids"])
+        if torch.equal(got["ids"], want["ids"]):
+            tally.exact(f"dedup {name} scores", got["scores"], want["scores"])
+            tally.diff("dedup rows", got["weights"], want["weights"])
+    result = tally.result()
+    result["plan"] = plan_summary(plan)
+    return result
+
+
 def sequence_twrw(directory: Path):
     """An ``EmbeddingCollection`` of two KV tables table-row-wise on different nodes
     and a stock table-wise table: rows at every step and an eval step against the
@@ -528,6 +568,7 @@ def main() -> None:
             "load_row_wise": load_row_wise(directory),
             "load_swapped_nodes": load_swapped_nodes(directory),
             "sequence_twrw": sequence_twrw(directory),
+            "sequence_dedup": sequence_dedup,
         }
     else:
         scenarios = {"load": lambda: load_scenario(directory)}

@@ -29,6 +29,7 @@ from torchrec.distributed.embedding_types import (
     BaseGroupedFeatureProcessor,
     EmbeddingComputeKernel,
     GroupedEmbeddingConfig,
+    ShardedEmbeddingTable,
 )
 from torchrec.distributed.sharding.twrw_sharding import (
     TwRwPooledEmbeddingSharding,
@@ -198,6 +199,7 @@ class KVNodeShardingMixin(KVLookupMixin):
     _world_size: int
     _rank: int
     _grouped_embedding_configs_per_rank: list[list[GroupedEmbeddingConfig]]
+    _grouped_embedding_configs_per_node: list[list[GroupedEmbeddingConfig]]
 
     def __init__(
         self,
@@ -225,6 +227,16 @@ class KVNodeShardingMixin(KVLookupMixin):
         """How many ranks share each table: the local world size."""
         return self._local_size
 
+    def embedding_tables(self) -> list[ShardedEmbeddingTable]:
+        """Every table of the sharding, the nodes' in turn: the order of its features
+        (what TorchRec's table-row-wise sharding does not say; index dedup reads it)."""
+        return [
+            table
+            for configs in self._grouped_embedding_configs_per_node
+            for config in configs
+            for table in config.embedding_tables
+        ]
+
 
 class KVTwRwPooledEmbeddingSharding(KVNodeShardingMixin, TwRwPooledEmbeddingSharding):
     """TorchRec's table-row-wise pooled sharding with KV routing and KV lookups.
@@ -241,12 +253,7 @@ class KVTwRwPooledEmbeddingSharding(KVNodeShardingMixin, TwRwPooledEmbeddingShar
     kv_lookup_class = KVTwRwPooledEmbeddingsLookup
 
     def create_input_dist(self, device: torch.device | None = None) -> KVTwRwSparseFeaturesDist:
-        tables = [
-            table
-            for configs in self._grouped_embedding_configs_per_node
-            for config in configs
-            for table in config.embedding_tables
-        ]
+        tables = self.embedding_tables()
         num_buckets = [
             self._kv_specs.options[t.name].total_num_buckets
             for t in tables

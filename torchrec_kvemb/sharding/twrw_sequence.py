@@ -182,9 +182,7 @@ class KVTwRwSequenceEmbeddingSharding(
     def create_input_dist(self, device: torch.device | None = None) -> KVTwRwSequenceFeaturesDist:
         num_buckets = [
             self._kv_specs.options[table.name].total_num_buckets
-            for configs in self._grouped_embedding_configs_per_node
-            for config in configs
-            for table in config.embedding_tables
+            for table in self.embedding_tables()
             for _ in range(table.num_features())
         ]
         return KVTwRwSequenceFeaturesDist(
