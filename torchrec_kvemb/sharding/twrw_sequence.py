@@ -20,20 +20,12 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.dist_data import KJTAllToAll, SequenceEmbeddingsAllToAll
 from torchrec.distributed.embedding_lookup import BaseEmbeddingLookup
-from torchrec.distributed.embedding_sharding import (
-    BaseEmbeddingDist,
-    BaseSparseFeaturesDist,
-)
-from torchrec.distributed.embedding_types import (
-    BaseGroupedFeatureProcessor,
-)
+from torchrec.distributed.embedding_sharding import BaseEmbeddingDist, BaseSparseFeaturesDist
+from torchrec.distributed.embedding_types import BaseGroupedFeatureProcessor
 from torchrec.distributed.sharding.rw_sharding import RwSparseFeaturesDist
 from torchrec.distributed.sharding.sequence_sharding import SequenceShardingContext
 from torchrec.distributed.sharding.twrw_sharding import BaseTwRwEmbeddingSharding
-from torchrec.distributed.types import (
-    Awaitable,
-    ShardingType,
-)
+from torchrec.distributed.types import Awaitable, ShardingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvemb.sharding.kv_sequence import KVGroupedEmbeddingsLookup
