@@ -16,6 +16,7 @@ from torchrec_kvemb.sharding import KV_COMPUTE_KERNEL, ShardedKVEmbeddingCollect
 
 META = torch.device("meta")
 RW, TW, DP = "row_wise", "table_wise", "data_parallel"
+TWRW = "table_row_wise"
 ADAGRAD = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05}
 OPTIONS = {"kv": KVTableOptions(capacity=3000, total_num_buckets=90)}
 
@@ -49,7 +50,7 @@ def test_sharding_types_and_kernels_are_per_table():
     ).items():
         types = sharder.sharding_types("cpu")
         answers[name] = (types, {t: sharder.compute_kernels(t, "cpu") for t in types})
-    kv_types = [RW, TW, "column_wise"]
+    kv_types = [RW, TW, "column_wise", TWRW]
     assert answers["kv"] == (kv_types, {t: [KV_COMPUTE_KERNEL] for t in kv_types})
     assert all(KV_COMPUTE_KERNEL not in k for k in answers["stock"][1].values())
 

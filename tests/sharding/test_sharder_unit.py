@@ -29,6 +29,7 @@ from torchrec_kvemb.sharding.planner import kv_table_bytes, storage_proxy
 
 META = torch.device("meta")
 RW, TW, CW, DP = "row_wise", "table_wise", "column_wise", "data_parallel"
+TWRW = "table_row_wise"
 ADAGRAD = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05}
 MAX_ID = 2**63 - 1
 
@@ -204,7 +205,7 @@ def test_sharding_types_and_kernels_are_per_table():
     for name, _ in sharder.shardable_parameters(ebc).items():
         types = sharder.sharding_types("cpu")
         answers[name] = (types, {t: sharder.compute_kernels(t, "cpu") for t in types})
-    kv_types = [RW, TW, CW]
+    kv_types = [RW, TW, CW, TWRW]
     assert answers["kv"] == (kv_types, {t: [KV_COMPUTE_KERNEL] for t in kv_types})
     stock_types, stock_kernels = answers["stock_small"]
     assert RW not in stock_types  # stock CPU sharding has no row-wise

@@ -66,7 +66,7 @@ def _options(sharder, topology, estimator_cls, constraints, **kwargs):
 
 
 @pytest.mark.parametrize("compute_device", ["cuda", "cpu"])
-@pytest.mark.parametrize("sharding", ["row_wise", "table_wise"])
+@pytest.mark.parametrize("sharding", ["row_wise", "table_wise", "table_row_wise"])
 def test_each_shard_gets_its_lower_tiers_in_ddr_and_ssd(compute_device, sharding):
     """The planner's topology for either compute device (a plan, not a GPU run)."""
     topology = Topology(world_size=3, compute_device=compute_device)
@@ -75,7 +75,8 @@ def test_each_shard_gets_its_lower_tiers_in_ddr_and_ssd(compute_device, sharding
     stock = _options(sharder, topology, EmbeddingStorageEstimator, constraints)
     ours = _options(sharder, topology, KVStorageEstimator, constraints)
     optim = FusedOptimConfig.from_fused_params(ADAGRAD)
-    num_shards = 3 if sharding == "row_wise" else 1
+    # table-row-wise: one node of the 3 ranks (the topology's local world size)
+    num_shards = 1 if sharding == "table_wise" else 3
     for name, options in OPTIONS.items():
         key = (name, sharding)
         expected = storage_estimate(shard_options(options, num_shards), DIM, optim)

@@ -1,4 +1,5 @@
-"""Row-wise, table-wise and column-wise sharding of a sequence collection's KV tables.
+"""Row-wise, table-wise and column-wise sharding of a sequence collection's KV tables
+(and the registry of its KV shardings, table-row-wise from :mod:`.twrw_sequence` included).
 
 TorchRec's sequence shardings as they are (the all-to-all of ids in, the
 sequence all-to-all of rows back, in each id's place); the lookup is KV and,
@@ -26,6 +27,7 @@ from torchrec_kvemb.sharding.kv_embedding import KVTableSpecs
 from torchrec_kvemb.sharding.kv_lookup import KVLookupMixin
 from torchrec_kvemb.sharding.kv_sequence import KVGroupedEmbeddingsLookup
 from torchrec_kvemb.sharding.rw import route_kv_features
+from torchrec_kvemb.sharding.twrw_sequence import KVTwRwSequenceEmbeddingSharding
 
 
 class KVRwSequenceFeaturesDist(RwSparseFeaturesDist):
@@ -126,4 +128,5 @@ KV_SEQUENCE_SHARDINGS = {
     ShardingType.ROW_WISE.value: KVRwSequenceEmbeddingSharding,
     ShardingType.TABLE_WISE.value: KVTwSequenceEmbeddingSharding,
     ShardingType.COLUMN_WISE.value: KVCwSequenceEmbeddingSharding,
+    ShardingType.TABLE_ROW_WISE.value: KVTwRwSequenceEmbeddingSharding,
 }

@@ -165,6 +165,7 @@ class KVShardedMixin:
             self.kv_fused_optimizers(),
             self._env.rank,
             self._env.world_size,
+            {name: p.ranks for name, p in self.module_sharding_plan.items()},
         )
 
     def metrics(self) -> dict[str, dict[str, float]]:

@@ -4,8 +4,8 @@ Everything a stock sharded EBC does stays (feature permutation and split per
 sharding, the two-stage input dist that ``TrainPipelineSparseDist`` fuses,
 pooled all-to-all / reduce-scatter with autograd, ``KeyedTensor`` assembly,
 the combined ``fused_optimizer``); tables whose plan says ``customized_kernel``
-get a KV sharding (:mod:`.rw`, :mod:`.tw`, :mod:`.cw`) instead of the stock one. Tables
-without KV options in the same collection take the untouched stock path.
+get a KV sharding (:mod:`.rw`, :mod:`.tw`, :mod:`.cw`, :mod:`.twrw`) instead of the
+stock one. Tables without KV options in the same collection take the untouched stock path.
 
 Gradients: TorchRec's pooled output dists divide the gradient by the world
 size in backward (``torchrec.distributed.comm_ops``, gradient division on by
@@ -59,12 +59,14 @@ from torchrec_kvemb.sharding.sharded_common import (
     kv_groups_first,
 )
 from torchrec_kvemb.sharding.tw import KVTwPooledEmbeddingSharding
+from torchrec_kvemb.sharding.twrw import KVTwRwPooledEmbeddingSharding
 from torchrec_kvemb.state_dict.hooks import register_sharded_hooks
 
 _KV_SHARDINGS = {
     ShardingType.ROW_WISE.value: KVRwPooledEmbeddingSharding,
     ShardingType.TABLE_WISE.value: KVTwPooledEmbeddingSharding,
     ShardingType.COLUMN_WISE.value: KVCwPooledEmbeddingSharding,
+    ShardingType.TABLE_ROW_WISE.value: KVTwRwPooledEmbeddingSharding,
 }
 #: Sharding types a KV table may have.
 KV_SHARDING_TYPES = list(_KV_SHARDINGS)
@@ -98,7 +100,8 @@ class _KVCollectionView(KVModuleView):
 
 class ShardedKVEmbeddingBagCollection(KVShardedMixin, ShardedEmbeddingBagCollection):
     """A sharded ``EmbeddingBagCollection`` (or ``KVEmbeddingBagCollection``) whose
-    KV tables are sharded row-wise, table-wise or column-wise over ``KVTable`` shards.
+    KV tables are sharded row-wise, table-wise, column-wise or table-row-wise over
+    ``KVTable`` shards.
 
     Built by :class:`~torchrec_kvemb.KVEmbeddingBagCollectionSharder`; forward,
     ``input_dist`` / ``compute_and_output_dist`` and ``fused_optimizer`` are

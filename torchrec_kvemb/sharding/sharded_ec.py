@@ -92,7 +92,8 @@ class _StockWeightsView:
 
 class ShardedKVEmbeddingCollection(KVShardedMixin, ShardedEmbeddingCollection):
     """A sharded ``EmbeddingCollection`` (or ``KVEmbeddingCollection``) whose KV tables
-    are sharded row-wise, table-wise or column-wise over ``KVTable`` shards.
+    are sharded row-wise, table-wise, column-wise or table-row-wise over ``KVTable``
+    shards.
 
     Built by :class:`~torchrec_kvemb.KVEmbeddingCollectionSharder`; forward and
     ``fused_optimizer`` are TorchRec's. ``kv_tables()`` gives this rank's shards,

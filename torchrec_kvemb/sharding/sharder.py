@@ -3,8 +3,9 @@
 Hand them to DMP (and to the planner) in place of TorchRec's
 ``EmbeddingBagCollectionSharder`` / ``EmbeddingCollectionSharder``. Tables they
 have ``KVTableOptions`` for become KV tables (compute kernel
-``customized_kernel``, sharded row-wise, table-wise or column-wise); the others are sharded
-exactly as the stock sharder would. Planning answers per table
+``customized_kernel``, sharded row-wise, table-wise, column-wise or
+table-row-wise); the others are sharded exactly as the stock sharder would.
+Planning answers per table
 (:mod:`.sharder_base`).
 """
 
@@ -24,11 +25,12 @@ from torchrec_kvemb.sharding.sharder_base import KVSharderBase
 
 class KVEmbeddingBagCollectionSharder(KVSharderBase, EmbeddingBagCollectionSharder):
     """Shards an ``EmbeddingBagCollection`` whose tables named in ``table_options`` are
-    KV tables (row-wise, table-wise or column-wise); the other tables stay stock.
+    KV tables (row-wise, table-wise, column-wise or table-row-wise); the other
+    tables stay stock.
 
     * ``table_options``: ``KVTableOptions`` by table name. ``capacity`` /
       ``memory_budget_bytes`` are per table: a row-wise shard gets ``1 / W`` of
-      them, a table-wise one all.
+      them, a table-row-wise one ``1 / L`` (L ranks per node), a table-wise one all.
     * ``fused_params``: TorchRec's ``fused_params`` (optimizer, learning_rate,
       ...), for KV and stock tables alike.
     * ``module_type``: ``EmbeddingBagCollection`` (default, or None; build it on
@@ -59,8 +61,8 @@ class KVEmbeddingBagCollectionSharder(KVSharderBase, EmbeddingBagCollectionShard
 
 class KVEmbeddingCollectionSharder(KVSharderBase, EmbeddingCollectionSharder):
     """Shards an ``EmbeddingCollection`` (sequence embeddings: one row per id) whose
-    tables named in ``table_options`` are KV tables (row-wise, table-wise or column-wise); the
-    other tables stay stock. Arguments as for
+    tables named in ``table_options`` are KV tables (row-wise, table-wise,
+    column-wise or table-row-wise); the other tables stay stock. Arguments as for
     :class:`KVEmbeddingBagCollectionSharder`; ``module_type`` is
     ``EmbeddingCollection`` (default) or ``KVEmbeddingCollection``.
 
@@ -77,8 +79,8 @@ class KVEmbeddingCollectionSharder(KVSharderBase, EmbeddingCollectionSharder):
 
     stock_module = EmbeddingCollection
     kv_module = KVEmbeddingCollection
+    kv_sharding_types = list(KV_SEQUENCE_SHARDINGS)
     configs_method = "embedding_configs"
-    kv_sharding_types = tuple(KV_SEQUENCE_SHARDINGS)
 
     @property
     def sharded_module_type(self) -> type[ShardedKVEmbeddingCollection]:

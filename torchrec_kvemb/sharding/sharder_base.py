@@ -5,14 +5,15 @@ The planner asks a sharder for sharding types and kernels without naming the
 table (``sharding_types(device)``, ``compute_kernels(type, device)``), but asks
 inside its loop over ``shardable_parameters(module).items()``. That mapping
 tells the sharder which table the loop is on, so the answers are per table:
-``[row_wise, table_wise, column_wise]`` x ``[customized_kernel]`` for KV tables, the stock
+``kv_sharding_types`` (bags: row_wise, table_wise, column_wise, table_row_wise;
+sequences: the same) x ``[customized_kernel]`` for KV tables, the stock
 answers for the others.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -52,7 +53,7 @@ class TablesInPlanning(dict):
 
 class KVSharderBase:
     """Mixed in before a stock TorchRec sharder (bag or sequence collection): KV
-    tables by name, planned ``customized_kernel`` row-wise, table-wise or column-wise.
+    tables by name, planned ``customized_kernel`` with one of ``kv_sharding_types``.
 
     Subclasses name their module types (``stock_module``, ``kv_module``), the
     method that lists a module's table configs (``configs_method``) and the
@@ -67,10 +68,10 @@ class KVSharderBase:
 
     stock_module: type[nn.Module]
     kv_module: type[nn.Module]
+    #: The sharding types KV tables of this sharder's module may have.
+    kv_sharding_types: ClassVar[list[str]] = KV_SHARDING_TYPES
     #: The method that lists a module's table configs (``embedding_bag_configs``, ...).
     configs_method: str
-    #: The sharding types the planner may give a KV table of this sharder's modules.
-    kv_sharding_types: tuple[str, ...] = tuple(KV_SHARDING_TYPES)
 
     def __init__(
         self,

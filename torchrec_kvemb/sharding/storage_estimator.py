@@ -93,9 +93,8 @@ class KVStorageEstimator(EmbeddingStorageEstimator):
         options, optim = self._sharder_of(module).kv_table(module, option.name)
         if not options.tiered:
             return {"host_bytes": 0, "disk_bytes": 0}
-        num_shards = (
-            len(option.shards) if option.sharding_type == ShardingType.ROW_WISE.value else 1
-        )
+        split = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
+        num_shards = len(option.shards) if option.sharding_type in split else 1
         shard = shard_options(options, num_shards)
         rows = self._lower_tier_rows.get(option.name)
         unbounded = (options.ssd is not None and options.ssd.capacity is None) or (

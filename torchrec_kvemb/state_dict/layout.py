@@ -50,7 +50,8 @@ class TableLayout:
     table: KVTable | None
     owned: tuple[int, int] | None
     admission: bool
-    #: ``"unsharded"``, ``"row_wise"``, ``"table_wise"`` or ``"column_wise"``.
+    #: ``"unsharded"``, ``"row_wise"``, ``"table_wise"``, ``"column_wise"`` or
+    #: ``"table_row_wise"``.
     sharding: str = "unsharded"
     #: Sharded: the ``KVFusedOptimizer`` whose ``lr`` drives this shard (shared by
     #: the tables of its grouped config). Unsharded: None, ``table.optim`` does.
@@ -101,11 +102,37 @@ def owned_buckets(
     num_buckets: int, rank: int, world_size: int, row_wise: bool, holds_table: bool
 ) -> tuple[int, int] | None:
     """The routing buckets a rank stores: row-wise, rank ``r`` of ``W`` owns
-    ``[r*G/W, (r+1)*G/W)``; table-wise, the rank holding the table owns all."""
+    ``[r*G/W, (r+1)*G/W)``; table-wise, the rank holding the table owns all.
+    Table-row-wise is row-wise over the table's node: ``rank`` its local rank,
+    ``world_size`` the node's ranks (:func:`table_owned_buckets`)."""
     if row_wise:
         per_rank = num_buckets // world_size
         return rank * per_rank, (rank + 1) * per_rank
     return (0, num_buckets) if holds_table else None
+
+
+def table_owned_buckets(
+    num_buckets: int,
+    sharding: str,
+    rank: int,
+    world_size: int,
+    ranks: Sequence[int] | None,
+    holds_table: bool,
+) -> tuple[int, int] | None:
+    """The routing buckets global ``rank`` stores of a table sharded ``sharding``
+    over ``ranks`` (the plan's; table-row-wise: the ranks of the table's node, local
+    rank ``l`` of ``L`` owning ``[l*G/L, (l+1)*G/L)``).
+
+    Example::
+
+        table_owned_buckets(96, "table_row_wise", rank=3, world_size=4, ranks=[2, 3],
+                            holds_table=True)   # (48, 96)
+    """
+    if sharding == "table_row_wise":
+        if ranks is None or rank not in ranks:
+            return None
+        return owned_buckets(num_buckets, list(ranks).index(rank), len(ranks), True, True)
+    return owned_buckets(num_buckets, rank, world_size, sharding == "row_wise", holds_table)
 
 
 def sharded_layouts(
@@ -116,11 +143,12 @@ def sharded_layouts(
     optimizers: Mapping[str, Any],
     rank: int,
     world_size: int,
+    sharding_ranks: Mapping[str, Sequence[int] | None] | None = None,
 ) -> list[TableLayout]:
     """The layouts of a sharded collection's KV tables (``configs``: its
     ``EmbeddingBagConfig``s, ``options``: KV options by table name, the other
     mappings by table name too: sharding type, this rank's shards, the fused
-    optimizer driving each)."""
+    optimizer driving each, the plan's ranks (needed for table-row-wise))."""
     out = []
     for config in configs:
         if config.name not in options:
@@ -128,8 +156,13 @@ def sharded_layouts(
         num_buckets = options[config.name].total_num_buckets
         table = tables.get(config.name)
         sharding = sharding_types[config.name]
-        owned = owned_buckets(
-            num_buckets, rank, world_size, sharding == "row_wise", table is not None
+        owned = table_owned_buckets(
+            num_buckets,
+            sharding,
+            rank,
+            world_size,
+            (sharding_ranks or {}).get(config.name),
+            table is not None,
         )
         columns = None
         if sharding == "column_wise" and table is not None:
