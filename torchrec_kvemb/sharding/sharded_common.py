@@ -118,6 +118,8 @@ class KVShardedMixin:
         # Read by the sharding factories, which the TorchRec base __init__ calls.
         self.__dict__["_kv_specs"] = specs
         self.__dict__["_use_index_dedup"] = use_index_dedup
+        #: The sharder's fused params: a reshard groups tables again from them.
+        self.__dict__["_kv_fused_params"] = fused_params
         super().__init__(  # type: ignore[call-arg]
             module,
             table_name_to_parameter_sharding,

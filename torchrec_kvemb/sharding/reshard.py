@@ -1,0 +1,314 @@
+"""Resharding a bag collection's KV tables in place: ``update_shards`` / ``DMP.reshard``.
+
+A change of plan (same world size) moves KV tables among row-wise and
+table-wise, or a table-wise table to another rank. The collection's KV
+shardings are rebuilt from its table configs and the merged plan through the
+same factory that built them (``create_grouped_sharding_infos`` and
+``create_embedding_bag_sharding``, so every KV sharding type registered there
+reshards too); stock tables keep their shardings, lookups, rows and optimizer
+state. Every KV table's rows move to their new owners by id through
+collectives (:mod:`.reshard_rows`), into new shards built beside the old ones;
+only once every rank holds its new rows does the collection switch to them, so a
+failure on the way leaves it as it was.
+
+Example::
+
+    plan = {"user": ParameterSharding("table_wise", "customized_kernel", ranks=[1], ...)}
+    dmp.reshard({"ebc": (0.0, plan)}, "ebc")  # or dmp.module.ebc.update_shards(plan, env, None)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
+from torchrec.distributed.feature_score_utils import create_sharding_type_to_feature_score_mapping
+from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.optim.fused import FusedOptimizerModule
+from torchrec.optim.keyed import CombinedOptimizer
+
+from torchrec_kvemb.sharding.reshard_rows import exchange_tables, place_tables
+from torchrec_kvemb.sharding.sharded_common import KV_GROUP_PREFIX
+from torchrec_kvemb.state_dict import install_table_entries, sharded_layouts
+
+#: What to do for a change resharding in place does not make.
+CHECKPOINT_HINT = (
+    "save a checkpoint (torchrec_kvemb.checkpoint.save) and load it into a model "
+    "sharded by the new plan"
+)
+_ROW_WISE_TYPES = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
+
+
+def merged_plan(
+    module: Any, changed: Mapping[str, ParameterSharding], env: ShardingEnv
+) -> dict[str, ParameterSharding]:
+    """The collection's plan with ``changed`` applied, checked: the same world size,
+    known tables, stock tables unchanged, KV tables planned as ``shard()`` requires
+    (``customized_kernel``, a KV sharding type) on ranks of this world, no SSD tier.
+    Raises ``ValueError`` naming the table; nothing is changed."""
+    world = module._env.world_size
+    if env.world_size != world:
+        raise ValueError(
+            f"resharding in place keeps the world size ({world}); the new environment has "
+            f"{env.world_size} ranks: to change the world size {CHECKPOINT_HINT}"
+        )
+    current = module.module_sharding_plan
+    unknown = sorted(set(changed) - set(current))
+    if unknown:
+        raise ValueError(
+            f"tables {unknown} are not tables of this collection (its tables: {sorted(current)})"
+        )
+    options = module._kv_specs.options
+    for name, sharding in changed.items():
+        if name not in options and sharding != current[name]:
+            raise ValueError(
+                f"table {name!r} is a stock table: resharding in place moves KV tables only "
+                f"(it is planned {current[name].sharding_type} on ranks {current[name].ranks}); "
+                f"to move it {CHECKPOINT_HINT}"
+            )
+    plan = {**current, **changed}
+    module.check_kv_plan(plan)
+    for name in changed:
+        if name in options:
+            _check_kv_placement(name, plan[name], options[name], world)
+    return plan
+
+
+def _check_kv_placement(name: str, sharding: ParameterSharding, options: Any, world: int) -> None:
+    ranks = list(sharding.ranks or [])
+    if any(not isinstance(r, int) or not 0 <= r < world for r in ranks):
+        raise ValueError(
+            f"table {name!r}: the plan places it on ranks {ranks}, the world has ranks "
+            f"0..{world - 1} (resharding in place keeps the world size: to change it "
+            f"{CHECKPOINT_HINT})"
+        )
+    if sharding.sharding_type == ShardingType.TABLE_WISE.value and len(ranks) != 1:
+        raise ValueError(f"table {name!r}: a table-wise table lives on one rank, got {ranks}")
+    if sharding.sharding_type == ShardingType.ROW_WISE.value:
+        if sorted(ranks) != list(range(world)):
+            raise ValueError(
+                f"table {name!r}: a row-wise KV table has a shard on every rank "
+                f"(0..{world - 1}), the plan names ranks {ranks}"
+            )
+        if options.total_num_buckets % world:
+            raise ValueError(
+                f"table {name!r}: row-wise over {world} ranks needs total_num_buckets "
+                f"divisible by {world}, it has {options.total_num_buckets}"
+            )
+    if options.ssd is not None:
+        raise ValueError(
+            f"table {name!r} has an SSD tier, whose files belong to its shard on each "
+            f"rank: resharding it in place is not supported; {CHECKPOINT_HINT}"
+        )
+
+
+@dataclass
+class _Rebuilt:
+    """The collection's shardings for a new plan, built beside the current ones."""
+
+    infos: dict[str, list[EmbeddingShardingInfo]]
+    shardings: list[EmbeddingSharding]
+    lookups: list[nn.Module]
+    fresh: list[bool]
+
+
+class _InfosView:
+    """What ``create_grouped_sharding_infos`` reads of a module, from a sharded
+    collection: its configs, weightedness and the parameters its infos hold."""
+
+    device = torch.device("meta")
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+        self._params = {
+            f"embedding_bags.{info.embedding_config.name}.weight": info.param
+            for infos in module.sharding_type_to_sharding_infos.values()
+            for info in infos
+        }
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self._module._embedding_bag_configs
+
+    def is_weighted(self) -> bool:
+        return self._module._is_weighted
+
+    def named_parameters(self) -> Any:
+        return iter(self._params.items())
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self._params)
+
+
+def _rebuild(
+    module: Any, plan: dict[str, ParameterSharding], env: ShardingEnv, device: Any
+) -> _Rebuilt:
+    """New KV shardings and lookups (empty tables) for ``plan``; the stock ones as
+    they are. Nothing of ``module`` changes."""
+    infos = module.create_grouped_sharding_infos(
+        _InfosView(module), plan, "embedding_bags.", module._kv_fused_params
+    )
+    old = dict(zip(module._sharding_types, module._embedding_shardings, strict=True))
+    old_lookups = dict(zip(module._sharding_types, module._lookups, strict=True))
+    shardings, lookups, fresh = [], [], []
+    for key, group in infos.items():
+        if not key.startswith(KV_GROUP_PREFIX):
+            infos[key] = module.sharding_type_to_sharding_infos[key]
+            shardings.append(old[key])
+            lookups.append(old_lookups[key])
+            fresh.append(False)
+            continue
+        sharding = module.create_embedding_bag_sharding(
+            group,
+            env,
+            device,
+            permute_embeddings=True,
+            qcomm_codecs_registry=module.qcomm_codecs_registry,
+        )
+        shardings.append(sharding)
+        lookups.append(sharding.create_lookup())
+        fresh.append(True)
+    return _Rebuilt(infos, shardings, lookups, fresh)
+
+
+def _kv_parts(lookups: list[nn.Module], kv_lookup_type: Any) -> tuple[dict, dict]:
+    tables, optimizers = {}, {}
+    for lookup in lookups:
+        while isinstance(lookup, nn.parallel.DistributedDataParallel):
+            lookup = lookup.module
+        if isinstance(lookup, kv_lookup_type):
+            tables.update(lookup.kv_tables())
+            optimizers.update(lookup.kv_fused_optimizers())
+    return tables, optimizers
+
+
+def reshard_bags(
+    module: Any,
+    changed: Mapping[str, ParameterSharding],
+    env: ShardingEnv,
+    device: torch.device | None,
+) -> None:
+    """``ShardedKVEmbeddingBagCollection.update_shards``: see the module docstring.
+    A collective over the collection's process group."""
+    plan = merged_plan(module, changed, env)
+    device = device if device is not None else module._device
+    rebuilt = _rebuild(module, plan, env, device)
+    tables, optimizers = _kv_parts(rebuilt.lookups, module.kv_lookup_type)
+    types = {name: p.sharding_type for name, p in plan.items()}
+    new_layouts = sharded_layouts(
+        module._embedding_bag_configs,
+        module._kv_specs.options,
+        types,
+        tables,
+        optimizers,
+        module._env.rank,
+        module._env.world_size,
+    )
+    group = module._env.process_group
+    ranks = {layout.name: list(plan[layout.name].ranks or []) for layout in new_layouts}
+    moved = exchange_tables(module.kv_layouts(), new_layouts, ranks, module._env.world_size, group)
+    place_tables(new_layouts, moved, group)
+    saved = _snapshot(module)
+    try:
+        _switch(module, plan, rebuilt, tables)
+    except BaseException:
+        _restore(module, saved)
+        raise
+
+
+def _snapshot(module: nn.Module) -> dict[str, Any]:
+    state = dict(module.__dict__)
+    for key in ("_modules", "_parameters", "_buffers"):
+        state[key] = dict(module.__dict__[key])
+    state["module_sharding_plan"] = dict(module.module_sharding_plan)
+    return state
+
+
+def _restore(module: nn.Module, saved: dict[str, Any]) -> None:
+    plan = module.module_sharding_plan
+    module.__dict__.clear()
+    module.__dict__.update(saved)
+    plan.clear()
+    plan.update(saved["module_sharding_plan"])
+    module.__dict__["module_sharding_plan"] = plan
+
+
+def _switch(
+    module: Any, plan: dict[str, ParameterSharding], rebuilt: _Rebuilt, tables: dict
+) -> None:
+    """Make the rebuilt shardings the collection's: plan, infos, shardings, lookups,
+    input and output dists, mean pooling divisors, fused optimizer, state_dict entries."""
+    for name, sharding in plan.items():
+        module.module_sharding_plan[name] = sharding
+    module.sharding_type_to_sharding_infos = rebuilt.infos
+    module._sharding_types = list(rebuilt.infos)
+    module._embedding_shardings = rebuilt.shardings
+    _assign_modules(module, "_lookups", rebuilt.lookups)
+
+    pooled: dict[str, list[str]] = defaultdict(list)
+    for config in module._embedding_bag_configs:
+        if plan[config.name].sharding_type in _ROW_WISE_TYPES:
+            pooled[config.pooling.value].extend(config.feature_names)
+    module._pooling_type_to_rs_features = pooled
+    module._has_mean_pooling_callback = PoolingType.MEAN.value in pooled
+    module._pool_kv_mean_by_sum()
+
+    # The input dists are built again at the next batch (as after the constructor).
+    module._has_uninitialized_input_dist = True
+    module._has_features_permute = True
+    _assign_modules(module, "_input_dists", [])
+    module._features_order = []
+    module._feature_splits = []
+    module._kjt_key_indices = {}
+    module._kt_key_ordering = None
+    module._kjt_inverse_order = None
+    module._inverse_indices_permute_indices = None
+
+    module._update_output_dist()
+    module._dim_per_key = torch.tensor(module._embedding_dims, device=module._device)
+    (
+        module._enable_feature_score_weight_accumulation,
+        module._enabled_feature_score_auto_collection,
+        module._sharding_type_feature_score_mapping,
+    ) = create_sharding_type_to_feature_score_mapping(
+        module._embedding_bag_configs, module.sharding_type_to_sharding_infos
+    )
+
+    optims = []
+    for lookup, fresh in zip(rebuilt.lookups, rebuilt.fresh, strict=True):
+        for _, kernel in lookup.named_modules():
+            if isinstance(kernel, FusedOptimizerModule):
+                optimizer = kernel.fused_optimizer
+                if fresh:  # as the TorchRec constructor keys them
+                    optimizer.params = {
+                        "embedding_bags." + key: value for key, value in optimizer.params.items()
+                    }
+                optims.append(("", optimizer))
+    module._optim = CombinedOptimizer(optims)
+
+    # Stock tables keep their state_dict entries (TorchRec's _initialize_torch_state
+    # would also re-initialize their weights); the KV tables' entries are made again.
+    kv_dims = {
+        c.name: c.embedding_dim
+        for c in module._embedding_bag_configs
+        if c.name in module._kv_specs.options
+    }
+    container = module.embedding_bags
+    for name in kv_dims:
+        if name in container._modules:
+            container[name] = nn.Module()
+    devices = [table.device for table in tables.values()]
+    install_table_entries(module, "embedding_bags", kv_dims, devices[0] if devices else None)
+
+
+def _assign_modules(module: nn.Module, name: str, modules: list[nn.Module]) -> None:
+    """Set a list of submodules the way the TorchRec constructor holds it."""
+    if isinstance(getattr(module, name, None), nn.ModuleList):
+        setattr(module, name, nn.ModuleList(modules))
+    else:
+        setattr(module, name, list(modules))
