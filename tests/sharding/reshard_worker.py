@@ -46,7 +46,7 @@ from torchrec_kvemb import (
     TTLOptions,
     checkpoint,
 )
-from torchrec_kvemb.sharding import ShardedKVEmbeddingBagCollection, owner_rank
+from torchrec_kvemb.sharding import ShardedKVEmbeddingBagCollection, owner_rank, reshard_rows
 from torchrec_kvemb.state_dict import admission_state
 from torchrec_kvemb.ttl import last_seen_state, uses_last_seen
 
@@ -368,11 +368,60 @@ def bad_plans(work_dir: str) -> dict:
     return tally.result()
 
 
+def failure_midway(work_dir: str) -> dict:
+    """Placing rows fails on rank 0 after its first new shard took its rows: every
+    rank raises, the collection keeps its plan, shards and rows, trains on, and a
+    later reshard loses nothing."""
+    tally = Tally(0.0)
+    rank = dist.get_rank()
+    model = build(BEFORE)
+    for i in range(2):
+        step(model, i)
+    sharded = model.module.ebc
+    before = kv_snapshot(model)
+    plan_before = dict(sharded.module_sharding_plan)
+    tables_before = sharded.kv_tables()
+    real = reshard_rows.restore_table
+    calls = []
+
+    def failing(table, rows):
+        calls.append(table.name)
+        if rank == 0 and len(calls) == 2:
+            raise OSError("no space left on device (injected)")
+        return real(table, rows)
+
+    delta = {k: v for k, v in plan_of(AFTER).items() if k != "stock"}
+    reshard_rows.restore_table = failing
+    try:
+        model.reshard({"ebc": (0.0, delta)}, "ebc")
+        tally.check("failure raised", False)
+    except RuntimeError as e:
+        tally.check("failure raised on every rank, naming it", "injected" in str(e))
+    finally:
+        reshard_rows.restore_table = real
+    tally.check("plan kept", dict(sharded.module_sharding_plan) == plan_before)
+    tally.check("DMP plan kept", dict(model.plan.plan["ebc"]) == plan_before)
+    tally.check(
+        "same shards",
+        all(sharded.kv_tables()[n] is t for n, t in tables_before.items())
+        and set(sharded.kv_tables()) == set(tables_before),
+    )
+    compare(tally, kv_snapshot(model), before, "after the failure")
+    step(model, 2)
+    trained = kv_snapshot(model)
+    model.reshard({"ebc": (0.0, delta)}, "ebc")
+    compare(tally, kv_snapshot(model), trained, "a reshard after the failure")
+    check_placement(tally, kv_snapshot(model))
+    step(model, 3)
+    return tally.result()
+
+
 if __name__ == "__main__":
     work = sys.argv[2]
     scenarios_main(
         {
             "in_place_vs_checkpoint": lambda: in_place_vs_checkpoint(work),
             "bad_plans": lambda: bad_plans(work),
+            "failure_midway": lambda: failure_midway(work),
         }
     )

@@ -35,7 +35,7 @@ from torchrec.optim.keyed import CombinedOptimizer
 
 from torchrec_kvemb.sharding.reshard_rows import exchange_tables, place_tables
 from torchrec_kvemb.sharding.sharded_common import KV_GROUP_PREFIX
-from torchrec_kvemb.state_dict import install_table_entries, sharded_layouts
+from torchrec_kvemb.state_dict import CheckpointError, install_table_entries, sharded_layouts
 
 #: What to do for a change resharding in place does not make.
 CHECKPOINT_HINT = (
@@ -211,8 +211,15 @@ def reshard_bags(
     )
     group = module._env.process_group
     ranks = {layout.name: list(plan[layout.name].ranks or []) for layout in new_layouts}
-    moved = exchange_tables(module.kv_layouts(), new_layouts, ranks, module._env.world_size, group)
-    place_tables(new_layouts, moved, group)
+    try:
+        moved = exchange_tables(
+            module.kv_layouts(), new_layouts, ranks, module._env.world_size, group
+        )
+        place_tables(new_layouts, moved, group)
+    except CheckpointError as e:  # agreed by every rank: none switches
+        raise RuntimeError(
+            f"resharding in place failed, the collection keeps its plan and rows: {e}"
+        ) from e
     saved = _snapshot(module)
     try:
         _switch(module, plan, rebuilt, tables)

@@ -100,9 +100,9 @@ def exchange_tables(
 def place_tables(
     new: Sequence[TableLayout], moved: dict[str, MovedTable], group: dist.ProcessGroup | None
 ) -> None:
-    """Check the received rows against the new shards on every rank (a collective:
-    any rank's error raises on all, before any table changes), then load them and
-    the learning rates."""
+    """Check the received rows against the new shards on every rank, then load them
+    and the learning rates. A collective: any rank's error raises on all (as a
+    ``CheckpointError``, a ``ValueError``), touching new shards only."""
     error = None
     try:
         for layout in new:
@@ -115,10 +115,15 @@ def place_tables(
     except Exception as e:
         error = e
     comm.agree(error, group)
-    for layout in new:
-        rows = moved[layout.name].rows
-        if layout.table is not None and rows is not None:
-            restore_table(layout.table, rows)
+    error = None
+    try:  # a failure here (e.g. a full host tier) leaves new shards only: agree on it too
+        for layout in new:
+            rows = moved[layout.name].rows
+            if layout.table is not None and rows is not None:
+                restore_table(layout.table, rows)
+    except Exception as e:
+        error = e
+    comm.agree(error, group)
     slots = {f"{layout.name}.": KVTableSlot.of(layout) for layout in new}
     rates = {
         f"{layout.name}.": moved[layout.name].lr
