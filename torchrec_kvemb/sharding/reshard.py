@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,41 +44,6 @@ CHECKPOINT_HINT = (
     "sharded by the new plan"
 )
 _ROW_WISE_TYPES = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
-
-
-def merged_plan(
-    module: Any, changed: Mapping[str, ParameterSharding], env: ShardingEnv
-) -> dict[str, ParameterSharding]:
-    """The collection's plan with ``changed`` applied, checked: the same world size,
-    known tables, stock tables unchanged, KV tables planned as ``shard()`` requires
-    (``customized_kernel``, a KV sharding type) on ranks of this world, no SSD tier.
-    Raises ``ValueError`` naming the table; nothing is changed."""
-    world = module._env.world_size
-    if env.world_size != world:
-        raise ValueError(
-            f"resharding in place keeps the world size ({world}); the new environment has "
-            f"{env.world_size} ranks: to change the world size {CHECKPOINT_HINT}"
-        )
-    current = module.module_sharding_plan
-    unknown = sorted(set(changed) - set(current))
-    if unknown:
-        raise ValueError(
-            f"tables {unknown} are not tables of this collection (its tables: {sorted(current)})"
-        )
-    options = module._kv_specs.options
-    for name, sharding in changed.items():
-        if name not in options and sharding != current[name]:
-            raise ValueError(
-                f"table {name!r} is a stock table: resharding in place moves KV tables only "
-                f"(it is planned {current[name].sharding_type} on ranks {current[name].ranks}); "
-                f"to move it {CHECKPOINT_HINT}"
-            )
-    plan = {**current, **changed}
-    module.check_kv_plan(plan)
-    for name in changed:
-        if name in options:
-            _check_kv_placement(name, plan[name], options[name], world)
-    return plan
 
 
 def _check_kv_placement(name: str, sharding: ParameterSharding, options: Any, world: int) -> None:
@@ -124,19 +90,25 @@ class _InfosView:
 
     device = torch.device("meta")
 
-    def __init__(self, module: Any) -> None:
-        self._module = module
+    def __init__(
+        self,
+        configs: list[EmbeddingBagConfig],
+        weighted: bool,
+        infos: Mapping[str, list[EmbeddingShardingInfo]],
+    ) -> None:
+        self._configs = configs
+        self._weighted = weighted
         self._params = {
             f"embedding_bags.{info.embedding_config.name}.weight": info.param
-            for infos in module.sharding_type_to_sharding_infos.values()
-            for info in infos
+            for group in infos.values()
+            for info in group
         }
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
-        return self._module._embedding_bag_configs
+        return self._configs
 
     def is_weighted(self) -> bool:
-        return self._module._is_weighted
+        return self._weighted
 
     def named_parameters(self) -> Any:
         return iter(self._params.items())
@@ -145,35 +117,217 @@ class _InfosView:
         return dict(self._params)
 
 
-def _rebuild(
-    module: Any, plan: dict[str, ParameterSharding], env: ShardingEnv, device: Any
-) -> _Rebuilt:
-    """New KV shardings and lookups (empty tables) for ``plan``; the stock ones as
-    they are. Nothing of ``module`` changes."""
-    infos = module.create_grouped_sharding_infos(
-        _InfosView(module), plan, "embedding_bags.", module._kv_fused_params
-    )
-    old = dict(zip(module._sharding_types, module._embedding_shardings, strict=True))
-    old_lookups = dict(zip(module._sharding_types, module._lookups, strict=True))
-    shardings, lookups, fresh = [], [], []
-    for key, group in infos.items():
-        if not key.startswith(KV_GROUP_PREFIX):
-            infos[key] = module.sharding_type_to_sharding_infos[key]
-            shardings.append(old[key])
-            lookups.append(old_lookups[key])
-            fresh.append(False)
-            continue
-        sharding = module.create_embedding_bag_sharding(
-            group,
-            env,
-            device,
-            permute_embeddings=True,
-            qcomm_codecs_registry=module.qcomm_codecs_registry,
+class KVBagResharding:
+    """``update_shards`` of ``ShardedKVEmbeddingBagCollection`` (mixed in before it):
+    see the module docstring. Reads and sets the TorchRec sharded collection's own
+    attributes, as its constructor and its ``update_shards`` do.
+
+    Example::
+
+        sharded = dmp.module.ebc   # a ShardedKVEmbeddingBagCollection
+        sharded.update_shards({"user": new_parameter_sharding}, sharded_env, None)
+    """
+
+    def update_shards(
+        self,
+        changed_sharding_params: Mapping[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None,
+    ) -> None:
+        """Reshard in place to the plan with ``changed_sharding_params`` (table name ->
+        new ``ParameterSharding``; the same world size): KV tables move among
+        row-wise and table-wise and between ranks, with their rows, optimizer state,
+        scores, counters and learning rates; stock tables stay as they are (a change
+        naming one is refused). What ``DistributedModelParallel.reshard`` calls; a
+        collective over the collection's process group. Bad plans raise ``ValueError``
+        and a failure on the way ``RuntimeError``, the collection unchanged."""
+        plan = self.kv_merged_plan(changed_sharding_params, env)
+        device = device if device is not None else self._device
+        rebuilt = self._kv_rebuild(plan, env, device)
+        tables, optimizers = _kv_parts(rebuilt.lookups, self.kv_lookup_type)
+        new_layouts = sharded_layouts(
+            self._embedding_bag_configs,
+            self._kv_specs.options,
+            {name: p.sharding_type for name, p in plan.items()},
+            tables,
+            optimizers,
+            self._env.rank,
+            self._env.world_size,
         )
-        shardings.append(sharding)
-        lookups.append(sharding.create_lookup())
-        fresh.append(True)
-    return _Rebuilt(infos, shardings, lookups, fresh)
+        group = self._env.process_group
+        ranks = {layout.name: list(plan[layout.name].ranks or []) for layout in new_layouts}
+        try:
+            moved = exchange_tables(
+                self.kv_layouts(), new_layouts, ranks, self._env.world_size, group
+            )
+            place_tables(new_layouts, moved, group)
+        except CheckpointError as e:  # agreed by every rank: none switches
+            raise RuntimeError(
+                f"resharding in place failed, the collection keeps its plan and rows: {e}"
+            ) from e
+        saved = self._kv_snapshot()
+        try:
+            self._kv_switch(plan, rebuilt, tables)
+        except BaseException:
+            self._kv_restore(saved)
+            raise
+
+    def kv_merged_plan(
+        self, changed: Mapping[str, ParameterSharding], env: ShardingEnv
+    ) -> dict[str, ParameterSharding]:
+        """The collection's plan with ``changed`` applied, checked: the same world size,
+        known tables, stock tables unchanged, KV tables planned as ``shard()`` requires
+        (``customized_kernel``, a KV sharding type) on ranks of this world, no SSD tier.
+        Raises ``ValueError`` naming the table; nothing is changed."""
+        world = self._env.world_size
+        if env.world_size != world:
+            raise ValueError(
+                f"resharding in place keeps the world size ({world}); the new environment "
+                f"has {env.world_size} ranks: to change the world size {CHECKPOINT_HINT}"
+            )
+        current = self.module_sharding_plan
+        unknown = sorted(set(changed) - set(current))
+        if unknown:
+            raise ValueError(
+                f"tables {unknown} are not tables of this collection (its tables: "
+                f"{sorted(current)})"
+            )
+        options = self._kv_specs.options
+        for name, sharding in changed.items():
+            if name not in options and sharding != current[name]:
+                raise ValueError(
+                    f"table {name!r} is a stock table: resharding in place moves KV tables "
+                    f"only (it is planned {current[name].sharding_type} on ranks "
+                    f"{current[name].ranks}); to move it {CHECKPOINT_HINT}"
+                )
+        plan = {**current, **changed}
+        self.check_kv_plan(plan)
+        for name in changed:
+            if name in options:
+                _check_kv_placement(name, plan[name], options[name], world)
+        return plan
+
+    def _kv_rebuild(
+        self, plan: dict[str, ParameterSharding], env: ShardingEnv, device: Any
+    ) -> _Rebuilt:
+        """New KV shardings and lookups (empty tables) for ``plan``, through the same
+        factory the constructor uses; the stock ones as they are. Nothing changes."""
+        view = _InfosView(
+            self._embedding_bag_configs, self._is_weighted, self.sharding_type_to_sharding_infos
+        )
+        infos = self.create_grouped_sharding_infos(
+            view, plan, "embedding_bags.", self._kv_fused_params
+        )
+        old = dict(zip(self._sharding_types, self._embedding_shardings, strict=True))
+        old_lookups = dict(zip(self._sharding_types, self._lookups, strict=True))
+        shardings, lookups, fresh = [], [], []
+        for key, group in infos.items():
+            if not key.startswith(KV_GROUP_PREFIX):
+                infos[key] = self.sharding_type_to_sharding_infos[key]
+                shardings.append(old[key])
+                lookups.append(old_lookups[key])
+                fresh.append(False)
+                continue
+            sharding = self.create_embedding_bag_sharding(
+                group,
+                env,
+                device,
+                permute_embeddings=True,
+                qcomm_codecs_registry=self.qcomm_codecs_registry,
+            )
+            shardings.append(sharding)
+            lookups.append(sharding.create_lookup())
+            fresh.append(True)
+        return _Rebuilt(infos, shardings, lookups, fresh)
+
+    def _kv_snapshot(self) -> dict[str, Any]:
+        """The attributes ``_kv_switch`` changes (lists and dicts copied: some it
+        clears in place), for ``_kv_restore``."""
+        state = {
+            key: copy.copy(value) if type(value) in (list, dict) else value
+            for key, value in self.__dict__.items()
+        }
+        for key in ("_modules", "_parameters", "_buffers"):
+            state[key] = dict(self.__dict__[key])
+        state["module_sharding_plan"] = dict(self.module_sharding_plan)
+        return state
+
+    def _kv_restore(self, saved: dict[str, Any]) -> None:
+        plan = self.module_sharding_plan
+        self.__dict__.clear()
+        self.__dict__.update(saved)
+        plan.clear()
+        plan.update(saved["module_sharding_plan"])
+        self.__dict__["module_sharding_plan"] = plan
+
+    def _kv_switch(
+        self, plan: dict[str, ParameterSharding], rebuilt: _Rebuilt, tables: dict
+    ) -> None:
+        """Make the rebuilt shardings the collection's: plan, infos, shardings, lookups,
+        input and output dists, mean pooling divisors, fused optimizer, state_dict
+        entries."""
+        for name, sharding in plan.items():
+            self.module_sharding_plan[name] = sharding
+        self.sharding_type_to_sharding_infos = rebuilt.infos
+        self._sharding_types = list(rebuilt.infos)
+        self._embedding_shardings = rebuilt.shardings
+        self._lookups = _like(self._lookups, rebuilt.lookups)
+
+        pooled: dict[str, list[str]] = defaultdict(list)
+        for config in self._embedding_bag_configs:
+            if plan[config.name].sharding_type in _ROW_WISE_TYPES:
+                pooled[config.pooling.value].extend(config.feature_names)
+        self._pooling_type_to_rs_features = pooled
+        self._has_mean_pooling_callback = PoolingType.MEAN.value in pooled
+        self._pool_kv_mean_by_sum()
+
+        # The input dists are built again at the next batch (as after the constructor).
+        self._has_uninitialized_input_dist = True
+        self._has_features_permute = True
+        self._input_dists = _like(self._input_dists, [])
+        self._features_order.clear()
+        self._feature_splits.clear()
+        self._kjt_key_indices = {}
+        self._kt_key_ordering = None
+        self._kjt_inverse_order = None
+        self._inverse_indices_permute_indices = None
+
+        self._update_output_dist()
+        self._dim_per_key = torch.tensor(self._embedding_dims, device=self._device)
+        (
+            self._enable_feature_score_weight_accumulation,
+            self._enabled_feature_score_auto_collection,
+            self._sharding_type_feature_score_mapping,
+        ) = create_sharding_type_to_feature_score_mapping(
+            self._embedding_bag_configs, self.sharding_type_to_sharding_infos
+        )
+
+        optims = []
+        for lookup, fresh in zip(rebuilt.lookups, rebuilt.fresh, strict=True):
+            for _, kernel in lookup.named_modules():
+                if isinstance(kernel, FusedOptimizerModule):
+                    optimizer = kernel.fused_optimizer
+                    if fresh:  # keyed as the TorchRec constructor keys them
+                        optimizer.params = {
+                            "embedding_bags." + key: value
+                            for key, value in optimizer.params.items()
+                        }
+                    optims.append(("", optimizer))
+        self._optim = CombinedOptimizer(optims)
+
+        # Stock tables keep their state_dict entries (TorchRec's _initialize_torch_state
+        # would also re-initialize their weights); the KV tables' entries are made again.
+        kv_dims = {
+            c.name: c.embedding_dim
+            for c in self._embedding_bag_configs
+            if c.name in self._kv_specs.options
+        }
+        container = self.embedding_bags
+        for name in kv_dims:
+            if name in container._modules:
+                container[name] = nn.Module()
+        devices = [table.device for table in tables.values()]
+        install_table_entries(self, "embedding_bags", kv_dims, devices[0] if devices else None)
 
 
 def _kv_parts(lookups: list[nn.Module], kv_lookup_type: Any) -> tuple[dict, dict]:
@@ -187,135 +341,7 @@ def _kv_parts(lookups: list[nn.Module], kv_lookup_type: Any) -> tuple[dict, dict
     return tables, optimizers
 
 
-def reshard_bags(
-    module: Any,
-    changed: Mapping[str, ParameterSharding],
-    env: ShardingEnv,
-    device: torch.device | None,
-) -> None:
-    """``ShardedKVEmbeddingBagCollection.update_shards``: see the module docstring.
-    A collective over the collection's process group."""
-    plan = merged_plan(module, changed, env)
-    device = device if device is not None else module._device
-    rebuilt = _rebuild(module, plan, env, device)
-    tables, optimizers = _kv_parts(rebuilt.lookups, module.kv_lookup_type)
-    types = {name: p.sharding_type for name, p in plan.items()}
-    new_layouts = sharded_layouts(
-        module._embedding_bag_configs,
-        module._kv_specs.options,
-        types,
-        tables,
-        optimizers,
-        module._env.rank,
-        module._env.world_size,
-    )
-    group = module._env.process_group
-    ranks = {layout.name: list(plan[layout.name].ranks or []) for layout in new_layouts}
-    try:
-        moved = exchange_tables(
-            module.kv_layouts(), new_layouts, ranks, module._env.world_size, group
-        )
-        place_tables(new_layouts, moved, group)
-    except CheckpointError as e:  # agreed by every rank: none switches
-        raise RuntimeError(
-            f"resharding in place failed, the collection keeps its plan and rows: {e}"
-        ) from e
-    saved = _snapshot(module)
-    try:
-        _switch(module, plan, rebuilt, tables)
-    except BaseException:
-        _restore(module, saved)
-        raise
-
-
-def _snapshot(module: nn.Module) -> dict[str, Any]:
-    state = dict(module.__dict__)
-    for key in ("_modules", "_parameters", "_buffers"):
-        state[key] = dict(module.__dict__[key])
-    state["module_sharding_plan"] = dict(module.module_sharding_plan)
-    return state
-
-
-def _restore(module: nn.Module, saved: dict[str, Any]) -> None:
-    plan = module.module_sharding_plan
-    module.__dict__.clear()
-    module.__dict__.update(saved)
-    plan.clear()
-    plan.update(saved["module_sharding_plan"])
-    module.__dict__["module_sharding_plan"] = plan
-
-
-def _switch(
-    module: Any, plan: dict[str, ParameterSharding], rebuilt: _Rebuilt, tables: dict
-) -> None:
-    """Make the rebuilt shardings the collection's: plan, infos, shardings, lookups,
-    input and output dists, mean pooling divisors, fused optimizer, state_dict entries."""
-    for name, sharding in plan.items():
-        module.module_sharding_plan[name] = sharding
-    module.sharding_type_to_sharding_infos = rebuilt.infos
-    module._sharding_types = list(rebuilt.infos)
-    module._embedding_shardings = rebuilt.shardings
-    _assign_modules(module, "_lookups", rebuilt.lookups)
-
-    pooled: dict[str, list[str]] = defaultdict(list)
-    for config in module._embedding_bag_configs:
-        if plan[config.name].sharding_type in _ROW_WISE_TYPES:
-            pooled[config.pooling.value].extend(config.feature_names)
-    module._pooling_type_to_rs_features = pooled
-    module._has_mean_pooling_callback = PoolingType.MEAN.value in pooled
-    module._pool_kv_mean_by_sum()
-
-    # The input dists are built again at the next batch (as after the constructor).
-    module._has_uninitialized_input_dist = True
-    module._has_features_permute = True
-    _assign_modules(module, "_input_dists", [])
-    module._features_order = []
-    module._feature_splits = []
-    module._kjt_key_indices = {}
-    module._kt_key_ordering = None
-    module._kjt_inverse_order = None
-    module._inverse_indices_permute_indices = None
-
-    module._update_output_dist()
-    module._dim_per_key = torch.tensor(module._embedding_dims, device=module._device)
-    (
-        module._enable_feature_score_weight_accumulation,
-        module._enabled_feature_score_auto_collection,
-        module._sharding_type_feature_score_mapping,
-    ) = create_sharding_type_to_feature_score_mapping(
-        module._embedding_bag_configs, module.sharding_type_to_sharding_infos
-    )
-
-    optims = []
-    for lookup, fresh in zip(rebuilt.lookups, rebuilt.fresh, strict=True):
-        for _, kernel in lookup.named_modules():
-            if isinstance(kernel, FusedOptimizerModule):
-                optimizer = kernel.fused_optimizer
-                if fresh:  # as the TorchRec constructor keys them
-                    optimizer.params = {
-                        "embedding_bags." + key: value for key, value in optimizer.params.items()
-                    }
-                optims.append(("", optimizer))
-    module._optim = CombinedOptimizer(optims)
-
-    # Stock tables keep their state_dict entries (TorchRec's _initialize_torch_state
-    # would also re-initialize their weights); the KV tables' entries are made again.
-    kv_dims = {
-        c.name: c.embedding_dim
-        for c in module._embedding_bag_configs
-        if c.name in module._kv_specs.options
-    }
-    container = module.embedding_bags
-    for name in kv_dims:
-        if name in container._modules:
-            container[name] = nn.Module()
-    devices = [table.device for table in tables.values()]
-    install_table_entries(module, "embedding_bags", kv_dims, devices[0] if devices else None)
-
-
-def _assign_modules(module: nn.Module, name: str, modules: list[nn.Module]) -> None:
-    """Set a list of submodules the way the TorchRec constructor holds it."""
-    if isinstance(getattr(module, name, None), nn.ModuleList):
-        setattr(module, name, nn.ModuleList(modules))
-    else:
-        setattr(module, name, list(modules))
+def _like(current: Any, modules: list[nn.Module]) -> Any:
+    """``modules`` held as TorchRec's constructor holds ``current`` (a list or an
+    ``nn.ModuleList``)."""
+    return nn.ModuleList(modules) if isinstance(current, nn.ModuleList) else list(modules)

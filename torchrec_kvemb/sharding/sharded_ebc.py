@@ -29,7 +29,6 @@ from torchrec.distributed.embeddingbag import (
 )
 from torchrec.distributed.types import (
     Awaitable,
-    EmbeddingModuleShardingPlan,
     LazyAwaitable,
     ParameterSharding,
     QuantizedCommCodecs,
@@ -46,7 +45,7 @@ from torchrec_kvemb.sharding.kv_embedding import (
 )
 from torchrec_kvemb.sharding.kv_sequence import KVGroupedEmbeddingsLookup
 from torchrec_kvemb.sharding.planner import KV_COMPUTE_KERNEL, check_plan
-from torchrec_kvemb.sharding.reshard import reshard_bags
+from torchrec_kvemb.sharding.reshard import KVBagResharding
 from torchrec_kvemb.sharding.rw import KVRwPooledEmbeddingSharding
 from torchrec_kvemb.sharding.rw_dedup import (
     KVDedupBagContext,
@@ -96,7 +95,9 @@ class _KVCollectionView(KVModuleView):
         return self._module.is_weighted()
 
 
-class ShardedKVEmbeddingBagCollection(KVShardedMixin, ShardedEmbeddingBagCollection):
+class ShardedKVEmbeddingBagCollection(
+    KVBagResharding, KVShardedMixin, ShardedEmbeddingBagCollection
+):
     """A sharded ``EmbeddingBagCollection`` (or ``KVEmbeddingBagCollection``) whose
     KV tables are sharded row-wise or table-wise over ``KVTable`` shards.
 
@@ -135,26 +136,6 @@ class ShardedKVEmbeddingBagCollection(KVShardedMixin, ShardedEmbeddingBagCollect
         """Raise ``ValueError`` naming the table where ``plan`` does not fit this
         collection's tables (what ``shard()`` checks)."""
         check_bag_plan(self._kv_specs.options, self._embedding_bag_configs, plan)
-
-    def update_shards(
-        self,
-        changed_sharding_params: EmbeddingModuleShardingPlan,
-        env: ShardingEnv,
-        device: torch.device | None,
-    ) -> None:
-        """Reshard in place to the plan with ``changed_sharding_params`` (table name ->
-        new ``ParameterSharding``; the same world size): KV tables move among
-        row-wise and table-wise and between ranks, with their rows, optimizer state,
-        scores, counters and learning rates; stock tables stay as they are (a change
-        naming one is refused). What ``DistributedModelParallel.reshard`` calls; a
-        collective. See :mod:`torchrec_kvemb.sharding.reshard` and docs/sharding.md.
-
-        Example::
-
-            new = {"user": ParameterSharding("table_wise", "customized_kernel", ranks=[1])}
-            dmp.module.ebc.update_shards(new, dmp._env, torch.device("cpu"))
-        """
-        reshard_bags(self, changed_sharding_params, env, device)
 
     # ------------------------------------------------- base class hooks
     def create_grouped_sharding_infos(
