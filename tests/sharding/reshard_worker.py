@@ -41,6 +41,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tests.torchrun_jobs import Tally, gather, scenarios_main
 from torchrec_kvemb import (
     EvictionPolicy,
+    KVEmbeddingBagCollection,
     KVEmbeddingBagCollectionSharder,
     KVTableOptions,
     TTLOptions,
@@ -416,6 +417,52 @@ def failure_midway(work_dir: str) -> dict:
     return tally.result()
 
 
+def kv_collection_module(work_dir: str) -> dict:
+    """A ``KVEmbeddingBagCollection`` sharded by its own sharder: ``DMP.reshard``
+    (no module path: DMP finds the module by its sharder) moves its row-wise table
+    to rank 1, nothing lost, and it trains on."""
+    tally = Tally(0.0)
+    configs_kv = [c for c in configs() if c.name == "user"]
+    ebc = KVEmbeddingBagCollection(configs_kv, {"user": OPTIONS["user"]}, fused_params=FUSED)
+    model = Model(ebc)
+    model.dense = nn.Linear(8, 1)
+    kv_sharder = KVEmbeddingBagCollectionSharder(module_type=KVEmbeddingBagCollection)
+    world = dist.get_world_size()
+    plan = {"user": row_wise(compute_kernel=KV)}
+
+    def plan_for(placement: dict) -> dict:
+        return construct_module_sharding_plan(
+            ebc,
+            placement,
+            sharder=kv_sharder,
+            local_size=world,
+            world_size=world,
+            device_type="cpu",
+        )
+
+    dmp = DistributedModelParallel(
+        model, device=CPU, plan=ShardingPlan({"ebc": plan_for(plan)}), sharders=[kv_sharder]
+    )
+    keys = ["u1", "u2"]
+    for i in range(2):
+        kjt, coeff = batch(i, dist.get_rank())
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys,
+            torch.cat([kjt[k].values() for k in keys]),
+            torch.cat([kjt[k].lengths() for k in keys]),
+        )
+        kt = dmp.module.ebc(kjt).to_dict()
+        sum((kt[k] * coeff[k]).sum() for k in keys).backward()
+    before = kv_snapshot(dmp)
+    new = plan_for({"user": table_wise(rank=1, compute_kernel=KV)})
+    dmp.reshard({"ebc": (0.0, new)})
+    after = kv_snapshot(dmp)
+    compare(tally, after, before, "KVEmbeddingBagCollection resharded")
+    tally.check("user on rank 1 only", after["user"]["ranks"] == [1])
+    tally.check("DMP plan", dmp.plan.plan["ebc"]["user"].ranks == [1])
+    return tally.result()
+
+
 if __name__ == "__main__":
     work = sys.argv[2]
     scenarios_main(
@@ -423,5 +470,6 @@ if __name__ == "__main__":
             "in_place_vs_checkpoint": lambda: in_place_vs_checkpoint(work),
             "bad_plans": lambda: bad_plans(work),
             "failure_midway": lambda: failure_midway(work),
+            "kv_collection_module": lambda: kv_collection_module(work),
         }
     )

@@ -12,4 +12,8 @@ def test_reshard_in_place_matches_checkpoint_round_trip(tmp_path):
     job = run_job(torchrun_command(3, "-m", WORKER, str(out), str(tmp_path)))
     result = read_result(out, job)
     assert result["world_size"] == 3
-    assert_scenarios_passed(result, job, {"in_place_vs_checkpoint", "bad_plans", "failure_midway"})
+    assert_scenarios_passed(
+        result,
+        job,
+        {"in_place_vs_checkpoint", "bad_plans", "failure_midway", "kv_collection_module"},
+    )

@@ -128,9 +128,17 @@ class ShardedKVEmbeddingBagCollection(
         self, module: nn.Module, specs: KVTableSpecs, plan: dict[str, ParameterSharding]
     ) -> nn.Module:
         check_bag_plan(specs.options, module.embedding_bag_configs(), plan)
+        self.__dict__["_kv_unsharded_type"] = type(module)
         if isinstance(module, KVEmbeddingBagCollection):
             return _KVCollectionView(module)
         return module
+
+    @property
+    def unsharded_module_type(self) -> type[nn.Module]:
+        """The type of the module sharded (``EmbeddingBagCollection`` or
+        ``KVEmbeddingBagCollection``): ``DistributedModelParallel.reshard`` finds the
+        sharder by it."""
+        return self._kv_unsharded_type
 
     def check_kv_plan(self, plan: Mapping[str, ParameterSharding]) -> None:
         """Raise ``ValueError`` naming the table where ``plan`` does not fit this
