@@ -19,6 +19,7 @@ naming the table, and nothing changes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from functools import partial
@@ -351,6 +352,11 @@ def bad_plans(work_dir: str) -> dict:
     tally.check(
         "KV table with a stock kernel refused",
         refused(sharded, {"tag": wrong_kernel["tag"]}, env, "table 'tag'"),
+    )
+    column_wise = dataclasses.replace(new["tag"], sharding_type="column_wise")
+    tally.check(
+        "KV table column-wise refused",
+        refused(sharded, {"tag": column_wise}, env, "table 'tag'"),
     )
     tally.check("unknown table refused", refused(sharded, {"nope": new["tag"]}, env, "'nope'"))
     moved_stock = plan_of({**BEFORE, "stock": table_wise(rank=0, compute_kernel="fused")})

@@ -43,6 +43,8 @@ CHECKPOINT_HINT = (
     "save a checkpoint (torchrec_kvemb.checkpoint.save) and load it into a model "
     "sharded by the new plan"
 )
+#: KV sharding types whose rows' owners :func:`.reshard_rows.destination` knows.
+MOVABLE_SHARDING_TYPES = (ShardingType.ROW_WISE.value, ShardingType.TABLE_WISE.value)
 _ROW_WISE_TYPES = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
 
 
@@ -202,6 +204,14 @@ class KVBagResharding:
                 )
         plan = {**current, **changed}
         self.check_kv_plan(plan)
+        for name in options:
+            for when, sharding in (("is", current[name]), ("would be", plan[name])):
+                if sharding.sharding_type not in MOVABLE_SHARDING_TYPES:
+                    raise ValueError(
+                        f"table {name!r} {when} planned {sharding.sharding_type}: resharding "
+                        f"in place moves KV tables sharded {' or '.join(MOVABLE_SHARDING_TYPES)}"
+                        f"; {CHECKPOINT_HINT}"
+                    )
         for name in changed:
             if name in options:
                 _check_kv_placement(name, plan[name], options[name], world)

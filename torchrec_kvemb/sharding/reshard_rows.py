@@ -57,7 +57,9 @@ def destination(layout: TableLayout, ranks: Sequence[int], ids: torch.Tensor) ->
     (row-wise), or the rank holding the table (table-wise, ``ranks[0]``)."""
     if layout.sharding == "row_wise":
         return owner_rank(ids, layout.num_buckets, len(ranks))
-    return torch.full_like(ids, ranks[0])
+    if layout.sharding == "table_wise":
+        return torch.full_like(ids, ranks[0])
+    raise ValueError(f"table {layout.name!r}: rows of a {layout.sharding} table cannot move")
 
 
 def exchange_tables(
