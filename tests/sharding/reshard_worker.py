@@ -36,7 +36,8 @@ from torchrec.distributed.sharding_plan import (
     table_wise,
 )
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingPlan
-from torchrec.modules.embedding_configs import PoolingType
+from torchrec.modules.embedding_configs import EmbeddingConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tests.torchrun_jobs import Tally, gather, scenarios_main
@@ -44,6 +45,7 @@ from torchrec_kvemb import (
     EvictionPolicy,
     KVEmbeddingBagCollection,
     KVEmbeddingBagCollectionSharder,
+    KVEmbeddingCollectionSharder,
     KVTableOptions,
     TTLOptions,
     checkpoint,
@@ -188,11 +190,11 @@ def set_lr(model: DistributedModelParallel, lr: float) -> None:
         group["lr"] = lr
 
 
-def kv_snapshot(model: DistributedModelParallel) -> dict:
+def kv_snapshot(model: DistributedModelParallel, path: str = "ebc") -> dict:
     """Every KV table merged over ranks, by id: export, step counters, admission, lr;
     and which rank holds which rows."""
     local = {}
-    for name, table in model.module.ebc.kv_tables().items():
+    for name, table in getattr(model.module, path).kv_tables().items():
         export = table.export()
         if uses_last_seen(table.options):
             export["last_seen"] = last_seen_state(table, export["ids"])
@@ -469,6 +471,119 @@ def kv_collection_module(work_dir: str) -> dict:
     return tally.result()
 
 
+# ------------------------------------------------------ sequence collection
+EC_FUSED = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05}
+EC_OPTIONS = {
+    "a": KVTableOptions(capacity=400, admission_threshold=2, seed=4, total_num_buckets=99),
+    "b": KVTableOptions(capacity=300, seed=5, total_num_buckets=99),
+}
+EC_KEYS = ["a1", "a2", "b", "s"]
+
+
+def ec_configs() -> list[EmbeddingConfig]:
+    return [
+        EmbeddingConfig(
+            name="a", embedding_dim=8, num_embeddings=2**40, feature_names=["a1", "a2"]
+        ),
+        EmbeddingConfig(name="b", embedding_dim=8, num_embeddings=2**40, feature_names=["b"]),
+        EmbeddingConfig(name="stock", embedding_dim=8, num_embeddings=97, feature_names=["s"]),
+    ]
+
+
+class ECModel(nn.Module):
+    def __init__(self, ec: nn.Module) -> None:
+        super().__init__()
+        self.ec = ec
+        self.dense = nn.Linear(8, 1)
+
+    def forward(self, kjt: KeyedJaggedTensor):
+        out = self.ec(kjt)
+        return out, self.dense(out["s"].values())
+
+
+def ec_sharder() -> KVEmbeddingCollectionSharder:
+    return KVEmbeddingCollectionSharder(EC_OPTIONS, fused_params=EC_FUSED)
+
+
+def ec_plan(placement: dict) -> dict[str, ParameterSharding]:
+    world = dist.get_world_size()
+    return construct_module_sharding_plan(
+        EmbeddingCollection(ec_configs(), device=META),
+        placement,
+        sharder=ec_sharder(),
+        local_size=world,
+        world_size=world,
+        device_type="cpu",
+    )
+
+
+EC_BEFORE = {
+    "a": row_wise(compute_kernel=KV),
+    "b": table_wise(rank=0, compute_kernel=KV),
+    "stock": table_wise(rank=2, compute_kernel="fused"),
+}
+EC_AFTER = {
+    **EC_BEFORE,
+    "a": table_wise(rank=1, compute_kernel=KV),
+    "b": row_wise(compute_kernel=KV),
+}
+
+
+def ec_build(placement: dict) -> DistributedModelParallel:
+    model = ECModel(EmbeddingCollection(ec_configs(), device=META))
+    plan = ShardingPlan({"ec": ec_plan(placement)})
+    return DistributedModelParallel(model, device=CPU, plan=plan, sharders=[ec_sharder()])
+
+
+def ec_step(model: DistributedModelParallel, i: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + 10 * i + dist.get_rank())
+    pools = {"a1": torch.arange(60) * 7919, "a2": torch.arange(30), "b": torch.arange(40) + 2**45}
+    pools["s"] = torch.arange(97)
+    lengths = [torch.randint(0, 4, (BATCH,), generator=g) for _ in EC_KEYS]
+    values = [
+        pools[k][torch.randint(0, pools[k].numel(), (int(n.sum()),), generator=g)]
+        for k, n in zip(EC_KEYS, lengths, strict=True)
+    ]
+    kjt = KeyedJaggedTensor.from_lengths_sync(EC_KEYS, torch.cat(values), torch.cat(lengths))
+    out, dense = model(kjt)
+    got = {k: out[k].values() for k in EC_KEYS}
+    weight = {k: torch.randn(v.shape, generator=g) for k, v in got.items()}
+    (sum((v * weight[k]).sum() for k, v in got.items()) + dense.sum()).backward()
+    return {k: v.detach() for k, v in got.items()}
+
+
+def sequence_collection(work_dir: str) -> dict:
+    """The sequence collection: in place (``DMP.reshard``: ``a`` row-wise to table-wise
+    on rank 1, ``b`` table-wise to row-wise, a stock table beside) against the
+    checkpoint twin, bit for bit over training on."""
+    tally = Tally(0.0)
+    model = ec_build(EC_BEFORE)
+    for i in range(STEPS_BEFORE):
+        ec_step(model, i)
+    before = kv_snapshot(model, "ec")
+    tally.check("admission waits", before["a"]["admission"][0].numel() > 0)
+    path = os.path.join(work_dir, "ec_ckpt")
+    checkpoint.save(model, path)
+    new_plan = ec_plan(EC_AFTER)
+    model.reshard({"ec": (0.0, {k: new_plan[k] for k in ("a", "b")})}, "ec")
+    after = kv_snapshot(model, "ec")
+    compare(tally, after, before, "sequences in place, nothing lost")
+    tally.check("a on rank 1 only", after["a"]["ranks"] == [1])
+    tally.check("b on every rank", after["b"]["ranks"] == list(range(dist.get_world_size())))
+    tally.check(
+        "module plan is the new one", dict(model.module.ec.module_sharding_plan) == new_plan
+    )
+    twin = ec_build(EC_AFTER)
+    checkpoint.load(twin, path)
+    compare(tally, kv_snapshot(twin, "ec"), after, "sequences: checkpoint twin vs in place")
+    for i in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
+        got, want = ec_step(model, i), ec_step(twin, i)
+        for key in EC_KEYS:
+            tally.exact(f"sequence outputs {key}", got[key], want[key])
+    compare(tally, kv_snapshot(model, "ec"), kv_snapshot(twin, "ec"), "sequences after training on")
+    return tally.result()
+
+
 if __name__ == "__main__":
     work = sys.argv[2]
     scenarios_main(
@@ -477,5 +592,6 @@ if __name__ == "__main__":
             "bad_plans": lambda: bad_plans(work),
             "failure_midway": lambda: failure_midway(work),
             "kv_collection_module": lambda: kv_collection_module(work),
+            "sequence_collection": lambda: sequence_collection(work),
         }
     )

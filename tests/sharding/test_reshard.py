@@ -15,5 +15,11 @@ def test_reshard_in_place_matches_checkpoint_round_trip(tmp_path):
     assert_scenarios_passed(
         result,
         job,
-        {"in_place_vs_checkpoint", "bad_plans", "failure_midway", "kv_collection_module"},
+        {
+            "in_place_vs_checkpoint",
+            "bad_plans",
+            "failure_midway",
+            "kv_collection_module",
+            "sequence_collection",
+        },
     )

@@ -1,15 +1,15 @@
-"""Resharding a bag collection's KV tables in place: ``update_shards`` / ``DMP.reshard``.
+"""Resharding a collection's KV tables in place: ``update_shards`` / ``DMP.reshard``.
 
 A change of plan (same world size) moves KV tables among row-wise and
 table-wise, or a table-wise table to another rank. The collection's KV
 shardings are rebuilt from its table configs and the merged plan through the
-same factory that built them (``create_grouped_sharding_infos`` and
-``create_embedding_bag_sharding``, so every KV sharding type registered there
-reshards too); stock tables keep their shardings, lookups, rows and optimizer
-state. Every KV table's rows move to their new owners by id through
-collectives (:mod:`.reshard_rows`), into new shards built beside the old ones;
-only once every rank holds its new rows does the collection switch to them, so a
-failure on the way leaves it as it was.
+same factories that built them (``create_grouped_sharding_infos`` and the
+collection's sharding factory: :mod:`.reshard_bags`, :mod:`.reshard_sequences`);
+stock tables keep their shardings, lookups, rows and optimizer state. Every KV
+table's rows move to their new owners by id through collectives
+(:mod:`.reshard_rows`), into new shards built beside the old ones; only once
+every rank holds its new rows does the collection switch to them, so a failure
+on the way leaves it as it was.
 
 Example::
 
@@ -20,7 +20,6 @@ Example::
 from __future__ import annotations
 
 import copy
-from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,9 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
-from torchrec.distributed.feature_score_utils import create_sharding_type_to_feature_score_mapping
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.optim.keyed import CombinedOptimizer
 
@@ -45,7 +42,6 @@ CHECKPOINT_HINT = (
 )
 #: KV sharding types whose rows' owners :func:`.reshard_rows.destination` knows.
 MOVABLE_SHARDING_TYPES = (ShardingType.ROW_WISE.value, ShardingType.TABLE_WISE.value)
-_ROW_WISE_TYPES = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
 
 
 def _check_kv_placement(name: str, sharding: ParameterSharding, options: Any, world: int) -> None:
@@ -77,8 +73,9 @@ def _check_kv_placement(name: str, sharding: ParameterSharding, options: Any, wo
 
 
 @dataclass
-class _Rebuilt:
-    """The collection's shardings for a new plan, built beside the current ones."""
+class Rebuilt:
+    """A collection's shardings for a new plan, built beside the current ones: by
+    sharding key, its infos, sharding, lookup, and whether the lookup is new (KV)."""
 
     infos: dict[str, list[EmbeddingShardingInfo]]
     shardings: list[EmbeddingSharding]
@@ -86,49 +83,22 @@ class _Rebuilt:
     fresh: list[bool]
 
 
-class _InfosView:
-    """What ``create_grouped_sharding_infos`` reads of a module, from a sharded
-    collection: its configs, weightedness and the parameters its infos hold."""
-
-    device = torch.device("meta")
-
-    def __init__(
-        self,
-        configs: list[EmbeddingBagConfig],
-        weighted: bool,
-        infos: Mapping[str, list[EmbeddingShardingInfo]],
-    ) -> None:
-        self._configs = configs
-        self._weighted = weighted
-        self._params = {
-            f"embedding_bags.{info.embedding_config.name}.weight": info.param
-            for group in infos.values()
-            for info in group
-        }
-
-    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
-        return self._configs
-
-    def is_weighted(self) -> bool:
-        return self._weighted
-
-    def named_parameters(self) -> Any:
-        return iter(self._params.items())
-
-    def state_dict(self) -> dict[str, Any]:
-        return dict(self._params)
-
-
-class KVBagResharding:
-    """``update_shards`` of ``ShardedKVEmbeddingBagCollection`` (mixed in before it):
-    see the module docstring. Reads and sets the TorchRec sharded collection's own
-    attributes, as its constructor and its ``update_shards`` do.
+class KVResharding:
+    """``update_shards`` of the sharded KV collections (mixed in before
+    ``KVShardedMixin``): see the module docstring. The subclass for a collection
+    builds its shardings for a plan (``_kv_rebuild``) and makes them the
+    collection's (``_kv_switch``), setting the TorchRec sharded collection's own
+    attributes as its constructor does.
 
     Example::
 
         sharded = dmp.module.ebc   # a ShardedKVEmbeddingBagCollection
         sharded.update_shards({"user": new_parameter_sharding}, sharded_env, None)
     """
+
+    #: The prefix TorchRec's constructor gives fused optimizer params and state_dict
+    #: entries (``embedding_bags`` or ``embeddings``).
+    kv_attribute: str
 
     def update_shards(
         self,
@@ -146,9 +116,9 @@ class KVBagResharding:
         plan = self.kv_merged_plan(changed_sharding_params, env)
         device = device if device is not None else self._device
         rebuilt = self._kv_rebuild(plan, env, device)
-        tables, optimizers = _kv_parts(rebuilt.lookups, self.kv_lookup_type)
+        tables, optimizers = kv_parts(rebuilt.lookups, self.kv_lookup_type)
         new_layouts = sharded_layouts(
-            self._embedding_bag_configs,
+            getattr(self, self.kv_configs_attribute),
             self._kv_specs.options,
             {name: p.sharding_type for name, p in plan.items()},
             tables,
@@ -202,6 +172,11 @@ class KVBagResharding:
                     f"only (it is planned {current[name].sharding_type} on ranks "
                     f"{current[name].ranks}); to move it {CHECKPOINT_HINT}"
                 )
+        if getattr(self, "enable_embedding_update", False):
+            raise ValueError(
+                "resharding in place: this collection has tables with "
+                f"enable_embedding_update; {CHECKPOINT_HINT}"
+            )
         plan = {**current, **changed}
         self.check_kv_plan(plan)
         for name in options:
@@ -216,39 +191,6 @@ class KVBagResharding:
             if name in options:
                 _check_kv_placement(name, plan[name], options[name], world)
         return plan
-
-    def _kv_rebuild(
-        self, plan: dict[str, ParameterSharding], env: ShardingEnv, device: Any
-    ) -> _Rebuilt:
-        """New KV shardings and lookups (empty tables) for ``plan``, through the same
-        factory the constructor uses; the stock ones as they are. Nothing changes."""
-        view = _InfosView(
-            self._embedding_bag_configs, self._is_weighted, self.sharding_type_to_sharding_infos
-        )
-        infos = self.create_grouped_sharding_infos(
-            view, plan, "embedding_bags.", self._kv_fused_params
-        )
-        old = dict(zip(self._sharding_types, self._embedding_shardings, strict=True))
-        old_lookups = dict(zip(self._sharding_types, self._lookups, strict=True))
-        shardings, lookups, fresh = [], [], []
-        for key, group in infos.items():
-            if not key.startswith(KV_GROUP_PREFIX):
-                infos[key] = self.sharding_type_to_sharding_infos[key]
-                shardings.append(old[key])
-                lookups.append(old_lookups[key])
-                fresh.append(False)
-                continue
-            sharding = self.create_embedding_bag_sharding(
-                group,
-                env,
-                device,
-                permute_embeddings=True,
-                qcomm_codecs_registry=self.qcomm_codecs_registry,
-            )
-            shardings.append(sharding)
-            lookups.append(sharding.create_lookup())
-            fresh.append(True)
-        return _Rebuilt(infos, shardings, lookups, fresh)
 
     def _kv_snapshot(self) -> dict[str, Any]:
         """The attributes ``_kv_switch`` changes (lists and dicts copied: some it
@@ -270,77 +212,40 @@ class KVBagResharding:
         plan.update(saved["module_sharding_plan"])
         self.__dict__["module_sharding_plan"] = plan
 
-    def _kv_switch(
-        self, plan: dict[str, ParameterSharding], rebuilt: _Rebuilt, tables: dict
-    ) -> None:
-        """Make the rebuilt shardings the collection's: plan, infos, shardings, lookups,
-        input and output dists, mean pooling divisors, fused optimizer, state_dict
-        entries."""
-        for name, sharding in plan.items():
-            self.module_sharding_plan[name] = sharding
-        self.sharding_type_to_sharding_infos = rebuilt.infos
-        self._sharding_types = list(rebuilt.infos)
-        self._embedding_shardings = rebuilt.shardings
-        self._lookups = _like(self._lookups, rebuilt.lookups)
-
-        pooled: dict[str, list[str]] = defaultdict(list)
-        for config in self._embedding_bag_configs:
-            if plan[config.name].sharding_type in _ROW_WISE_TYPES:
-                pooled[config.pooling.value].extend(config.feature_names)
-        self._pooling_type_to_rs_features = pooled
-        self._has_mean_pooling_callback = PoolingType.MEAN.value in pooled
-        self._pool_kv_mean_by_sum()
-
-        # The input dists are built again at the next batch (as after the constructor).
-        self._has_uninitialized_input_dist = True
-        self._has_features_permute = True
-        self._input_dists = _like(self._input_dists, [])
-        self._features_order.clear()
-        self._feature_splits.clear()
-        self._kjt_key_indices = {}
-        self._kt_key_ordering = None
-        self._kjt_inverse_order = None
-        self._inverse_indices_permute_indices = None
-
-        self._update_output_dist()
-        self._dim_per_key = torch.tensor(self._embedding_dims, device=self._device)
-        (
-            self._enable_feature_score_weight_accumulation,
-            self._enabled_feature_score_auto_collection,
-            self._sharding_type_feature_score_mapping,
-        ) = create_sharding_type_to_feature_score_mapping(
-            self._embedding_bag_configs, self.sharding_type_to_sharding_infos
-        )
-
+    def kv_switch_optimizer_and_entries(self, rebuilt: Rebuilt, tables: dict) -> None:
+        """The last part of a switch, the same for every collection: the combined fused
+        optimizer (new KV kernels' params keyed as the TorchRec constructor keys them,
+        stock ones as they were) and the KV tables' state_dict entries (TorchRec's
+        ``_initialize_torch_state`` is not called: it ends in ``reset_parameters``,
+        which would re-initialize the stock tables' weights)."""
         optims = []
         for lookup, fresh in zip(rebuilt.lookups, rebuilt.fresh, strict=True):
             for _, kernel in lookup.named_modules():
                 if isinstance(kernel, FusedOptimizerModule):
                     optimizer = kernel.fused_optimizer
-                    if fresh:  # keyed as the TorchRec constructor keys them
+                    if fresh:
                         optimizer.params = {
-                            "embedding_bags." + key: value
+                            f"{self.kv_attribute}.{key}": value
                             for key, value in optimizer.params.items()
                         }
                     optims.append(("", optimizer))
         self._optim = CombinedOptimizer(optims)
-
-        # Stock tables keep their state_dict entries (TorchRec's _initialize_torch_state
-        # would also re-initialize their weights); the KV tables' entries are made again.
         kv_dims = {
             c.name: c.embedding_dim
-            for c in self._embedding_bag_configs
+            for c in getattr(self, self.kv_configs_attribute)
             if c.name in self._kv_specs.options
         }
-        container = self.embedding_bags
+        container = getattr(self, self.kv_attribute)
         for name in kv_dims:
             if name in container._modules:
                 container[name] = nn.Module()
         devices = [table.device for table in tables.values()]
-        install_table_entries(self, "embedding_bags", kv_dims, devices[0] if devices else None)
+        install_table_entries(self, self.kv_attribute, kv_dims, devices[0] if devices else None)
 
 
-def _kv_parts(lookups: list[nn.Module], kv_lookup_type: Any) -> tuple[dict, dict]:
+def kv_parts(lookups: list[nn.Module], kv_lookup_type: Any) -> tuple[dict, dict]:
+    """The KV table shards and the fused optimizers driving them, by table name, of
+    ``lookups`` (unwrapped from DDP)."""
     tables, optimizers = {}, {}
     for lookup in lookups:
         while isinstance(lookup, nn.parallel.DistributedDataParallel):
@@ -351,7 +256,64 @@ def _kv_parts(lookups: list[nn.Module], kv_lookup_type: Any) -> tuple[dict, dict
     return tables, optimizers
 
 
-def _like(current: Any, modules: list[nn.Module]) -> Any:
+def held_like(current: Any, modules: list[nn.Module]) -> Any:
     """``modules`` held as TorchRec's constructor holds ``current`` (a list or an
     ``nn.ModuleList``)."""
     return nn.ModuleList(modules) if isinstance(current, nn.ModuleList) else list(modules)
+
+
+def rebuild_shardings(
+    infos: dict[str, list[EmbeddingShardingInfo]],
+    old_infos: Mapping[str, list[EmbeddingShardingInfo]],
+    old_shardings: Mapping[str, EmbeddingSharding],
+    old_lookups: Mapping[str, nn.Module],
+    create: Any,
+) -> Rebuilt:
+    """New shardings and lookups for the ``"kv:"`` groups of ``infos`` (``create(key,
+    group)`` gives a sharding), the old ones (and their infos) for stock groups."""
+    shardings, lookups, fresh = [], [], []
+    for key, group in infos.items():
+        if not key.startswith(KV_GROUP_PREFIX):
+            infos[key] = old_infos[key]
+            shardings.append(old_shardings[key])
+            lookups.append(old_lookups[key])
+            fresh.append(False)
+            continue
+        sharding = create(key, group)
+        shardings.append(sharding)
+        lookups.append(sharding.create_lookup())
+        fresh.append(True)
+    return Rebuilt(infos, shardings, lookups, fresh)
+
+
+class ParamsView:
+    """What ``create_grouped_sharding_infos`` reads of a module, from a sharded
+    collection: its configs (under the accessor name the stock module has), and the
+    parameters its infos hold, under ``<attribute>.<table>.weight``.
+
+    Example::
+
+        view = ParamsView("embedding_bag_configs", configs, "embedding_bags", infos)
+    """
+
+    device = torch.device("meta")
+
+    def __init__(
+        self,
+        accessor: str,
+        configs: list[Any],
+        attribute: str,
+        infos: Mapping[str, list[EmbeddingShardingInfo]],
+    ) -> None:
+        self._params = {
+            f"{attribute}.{info.embedding_config.name}.weight": info.param
+            for group in infos.values()
+            for info in group
+        }
+        setattr(self, accessor, lambda: configs)
+
+    def named_parameters(self) -> Any:
+        return iter(self._params.items())
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self._params)

@@ -45,7 +45,7 @@ from torchrec_kvemb.sharding.kv_embedding import (
 )
 from torchrec_kvemb.sharding.kv_sequence import KVGroupedEmbeddingsLookup
 from torchrec_kvemb.sharding.planner import KV_COMPUTE_KERNEL, check_plan
-from torchrec_kvemb.sharding.reshard import KVBagResharding
+from torchrec_kvemb.sharding.reshard_bags import KVBagResharding
 from torchrec_kvemb.sharding.rw import KVRwPooledEmbeddingSharding
 from torchrec_kvemb.sharding.rw_dedup import (
     KVDedupBagContext,
