@@ -114,6 +114,8 @@ class KVResharding:
         collective over the collection's process group. Bad plans raise ``ValueError``
         and a failure on the way ``RuntimeError``, the collection unchanged."""
         plan = self.kv_merged_plan(changed_sharding_params, env)
+        if plan == self.module_sharding_plan:
+            return  # nothing moves (the same answer on every rank: no collective)
         device = device if device is not None else self._device
         rebuilt = self._kv_rebuild(plan, env, device)
         tables, optimizers = kv_parts(rebuilt.lookups, self.kv_lookup_type)

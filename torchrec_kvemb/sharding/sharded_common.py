@@ -235,17 +235,6 @@ class KVShardedMixin:
         finally:
             setattr(self, self.kv_configs_attribute, configs)
 
-    def update_shards(
-        self,
-        changed_sharding_params: EmbeddingModuleShardingPlan,
-        env: ShardingEnv,
-        device: torch.device | None,
-    ) -> None:
-        raise NotImplementedError(
-            "resharding a collection with KV tables in place is not supported yet; save a "
-            "checkpoint (torchrec_kvemb.checkpoint.save) and load it into the new sharding"
-        )
-
 
 def prefetch_kv_lookup(lookup: Any, features: KeyedJaggedTensor) -> None:
     """Start the SSD reads of a grouped lookup's KV tables for ``features`` (the

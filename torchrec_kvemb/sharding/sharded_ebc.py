@@ -106,7 +106,9 @@ class ShardedKVEmbeddingBagCollection(
     TorchRec's. ``kv_tables()`` gives this rank's shards, ``metrics()`` their
     counters, ``kv_fused_optimizers()`` the optimizers whose ``lr`` drives them.
     ``state_dict()`` holds the KV tables' rows as ShardedTensors (a collective:
-    call it on every rank; see docs/checkpoint-format.md).
+    call it on every rank; see docs/checkpoint-format.md). ``update_shards`` (what
+    ``DistributedModelParallel.reshard`` calls) moves KV tables to a new plan in
+    place (:mod:`.reshard`).
 
     Example::
 

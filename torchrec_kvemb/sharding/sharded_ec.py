@@ -98,7 +98,8 @@ class ShardedKVEmbeddingCollection(
     Built by :class:`~torchrec_kvemb.KVEmbeddingCollectionSharder`; forward and
     ``fused_optimizer`` are TorchRec's. ``kv_tables()`` gives this rank's shards,
     ``metrics()`` their counters. ``state_dict()`` holds the KV tables' rows as
-    ShardedTensors under ``embeddings.<table>.`` (a collective).
+    ShardedTensors under ``embeddings.<table>.`` (a collective). ``update_shards``
+    moves KV tables to a new plan in place (:mod:`.reshard`).
 
     Example::
 
