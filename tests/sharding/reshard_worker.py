@@ -426,12 +426,13 @@ def failure_midway(work_dir: str) -> dict:
 
 
 def kv_collection_module(work_dir: str) -> dict:
-    """A ``KVEmbeddingBagCollection`` sharded by its own sharder: ``DMP.reshard``
+    """A ``KVEmbeddingBagCollection`` (Adam) sharded by its own sharder: ``DMP.reshard``
     (no module path: DMP finds the module by its sharder) moves its row-wise table
-    to rank 1, nothing lost, and it trains on."""
+    to rank 1, then to rank 0, nothing lost."""
     tally = Tally(0.0)
     configs_kv = [c for c in configs() if c.name == "user"]
-    ebc = KVEmbeddingBagCollection(configs_kv, {"user": OPTIONS["user"]}, fused_params=FUSED)
+    adam = {"optimizer": EmbOptimType.ADAM, "learning_rate": 0.05}
+    ebc = KVEmbeddingBagCollection(configs_kv, {"user": OPTIONS["user"]}, fused_params=adam)
     model = Model(ebc)
     model.dense = nn.Linear(8, 1)
     kv_sharder = KVEmbeddingBagCollectionSharder(module_type=KVEmbeddingBagCollection)
@@ -468,6 +469,12 @@ def kv_collection_module(work_dir: str) -> dict:
     compare(tally, after, before, "KVEmbeddingBagCollection resharded")
     tally.check("user on rank 1 only", after["user"]["ranks"] == [1])
     tally.check("DMP plan", dmp.plan.plan["ebc"]["user"].ranks == [1])
+    # Rank 1 to rank 0: rank 2 holds neither shard, yet takes part in every exchange.
+    dmp.reshard({"ebc": (0.0, plan_for({"user": table_wise(rank=0, compute_kernel=KV)}))})
+    moved = kv_snapshot(dmp)
+    compare(tally, moved, before, "moved on to rank 0")
+    tally.check("user on rank 0 only", moved["user"]["ranks"] == [0])
+    tally.check("Adam state moved", {"exp_avg", "exp_avg_sq"} <= set(moved["user"]["export"]))
     return tally.result()
 
 

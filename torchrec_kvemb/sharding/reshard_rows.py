@@ -4,9 +4,9 @@ Each KV table's rows leave their old shard as a checkpoint exports them
 (:func:`~torchrec_kvemb.state_dict.table_state` read back by
 :func:`~torchrec_kvemb.state_dict.rows_from_entries`: ids, rows, every optimizer
 state, eviction scores, TTL last-seen steps, admission counters, step counters),
-travel to the rank that owns each id under the new plan in one
-``all_to_all_single`` per table (every per-row column packed into one byte
-matrix, so any row dtype and gloo or nccl carry it), and replace the content of
+travel to the rank that owns each id under the new plan by
+``all_to_all_single`` (each per-row column as bytes, so any row dtype and gloo
+or nccl carry it), and replace the content of
 the new shard with :func:`~torchrec_kvemb.state_dict.restore_table`, in checkpoint
 order (routing bucket, then id), as a checkpoint load would. Step counters are
 the largest over the old shards and learning rates those of the old shards, as a
@@ -74,9 +74,16 @@ def exchange_tables(
     plan names), by table name. A collective over ``group``: every rank calls it with
     layouts of the same tables in the same order. Nothing of the old tables changes."""
     held = {layout.name: layout for layout in old if layout.table is not None}
+    # Small facts of every old shard: its counters, learning rate and export columns
+    # (which every rank needs: each column is one collective, also for a rank that
+    # holds no shard of the table, old or new).
     known = comm.gather(
         {
-            name: ((layout.table.step, layout.table.optim_step), layout.learning_rate())
+            name: (
+                (layout.table.step, layout.table.optim_step),
+                layout.learning_rate(),
+                [(n, c.dtype, tuple(c.shape[1:])) for n, c in _columns(_empty_rows(layout))],
+            )
             for name, layout in held.items()
         },
         group,
@@ -85,17 +92,21 @@ def exchange_tables(
     for after in new:
         name = after.name
         holders = [part[name] for part in known if name in part]
-        steps = [s for s, _ in holders]
-        step = (max(s[0] for s in steps), max(s[1] for s in steps)) if steps else None
+        if not holders:  # no rank holds the table (a planned table always has a shard)
+            out[name] = MovedTable(None, None)
+            continue
+        steps = [s for s, _, _ in holders]
+        step = (max(s[0] for s in steps), max(s[1] for s in steps))
+        spec = holders[0][2]
         # One table's export at a time: the old shards, the new ones and one copy.
         rows = None
         if name in held:
             rows = rows_from_entries(name, table_state(held[name].table))
-        got = _exchange_table(after, rows, new_ranks[name], world_size, group)
+        got = _exchange_table(after, rows, spec, new_ranks[name], world_size, group)
         del rows
         if got is not None:
             got.step = step
-        out[name] = MovedTable(got, holders[0][1] if holders else None)
+        out[name] = MovedTable(got, holders[0][1])
     return out
 
 
@@ -138,17 +149,22 @@ def place_tables(
 def _exchange_table(
     after: TableLayout,
     rows: TableRows | None,
+    spec: list[tuple[str, torch.dtype, tuple[int, ...]]],
     ranks: list[int],
     world_size: int,
     group: dist.ProcessGroup | None,
 ) -> TableRows | None:
-    """This rank's rows of one table for its new shard (None where it holds none)."""
-    template = rows if rows is not None else _empty_rows(after)
-    columns = _columns(template)
-    received = _all_to_all(columns, destination(after, ranks, template.ids), world_size, group)
+    """This rank's rows of one table for its new shard (None where it holds none);
+    ``spec``: the export columns (name, dtype, trailing shape) of the old shards."""
+    if rows is not None:
+        columns = _columns(rows)
+    else:
+        columns = [(n, torch.empty((0, *tail), dtype=dtype)) for n, dtype, tail in spec]
+    ids = columns[0][1]
+    received = _all_to_all(columns, destination(after, ranks, ids), world_size, group)
     admission = None
     if after.admission:
-        adm = _admission_columns(template)
+        adm = _admission_columns(rows)
         got = _all_to_all(adm, destination(after, ranks, adm[0][1]), world_size, group)
         order = _checkpoint_order(got["ids"], after.num_buckets)
         admission = (got["ids"][order], got["counts"][order], got["scores"][order])
@@ -159,24 +175,25 @@ def _exchange_table(
         ids=received["ids"][order],
         weights=received["weights"][order],
         scores=received["scores"][order],
-        state={k: received[f"state.{k}"][order] for k in template.state},
+        state={
+            k.removeprefix("state."): v[order]
+            for k, v in received.items()
+            if k.startswith("state.")
+        },
         admission=admission,
-        last_seen=None if template.last_seen is None else received["last_seen"][order],
+        last_seen=received["last_seen"][order] if "last_seen" in received else None,
     )
 
 
-def _empty_rows(after: TableLayout) -> TableRows:
-    """No rows, with the columns (dtypes, trailing shapes) a checkpoint export of the
-    table has: what a rank without an old shard sends, and decodes what it receives
-    by. A rank holding no shard at all sends and receives nothing; ids will do."""
+def _empty_rows(layout: TableLayout) -> TableRows:
+    """No rows of a shard ``layout`` holds, with the columns (dtypes, trailing shapes)
+    its checkpoint export has."""
     empty = torch.empty(0, dtype=torch.int64)
-    table = after.table
-    if table is None:
-        return TableRows(empty, torch.empty(0, 0), empty, admission=(empty, empty, empty))
-    shapes = table.optim.state_shapes(after.dim)
+    table = layout.table
+    shapes = table.optim.state_shapes(layout.dim)
     return TableRows(
         ids=empty,
-        weights=torch.empty(0, after.dim, dtype=table.weights.dtype),
+        weights=torch.empty(0, layout.dim, dtype=table.weights.dtype),
         scores=empty,
         state={k: torch.empty(0, *s, dtype=torch.float32) for k, s in shapes.items()},
         admission=(empty, empty, empty),
@@ -185,16 +202,18 @@ def _empty_rows(after: TableLayout) -> TableRows:
 
 
 def _columns(rows: TableRows) -> list[tuple[str, torch.Tensor]]:
+    """The per-row columns, in one order on every rank (each is one collective)."""
     cols = [("ids", rows.ids), ("weights", rows.weights), ("scores", rows.scores)]
-    cols += [(f"state.{k}", v) for k, v in rows.state.items()]
+    cols += [(f"state.{k}", rows.state[k]) for k in sorted(rows.state)]
     if rows.last_seen is not None:
         cols.append(("last_seen", rows.last_seen))
     return cols
 
 
-def _admission_columns(rows: TableRows) -> list[tuple[str, torch.Tensor]]:
+def _admission_columns(rows: TableRows | None) -> list[tuple[str, torch.Tensor]]:
     empty = torch.empty(0, dtype=torch.int64)
-    ids, counts, scores = rows.admission if rows.admission is not None else (empty,) * 3
+    held = rows is not None and rows.admission is not None
+    ids, counts, scores = rows.admission if held else (empty,) * 3
     return [("ids", ids), ("counts", counts), ("scores", scores)]
 
 
@@ -211,29 +230,28 @@ def _all_to_all(
     world_size: int,
     group: dist.ProcessGroup | None,
 ) -> dict[str, torch.Tensor]:
-    """Rows (one per entry of ``dest``) to their destination ranks, every column packed
-    into one byte matrix: one count exchange and one ``all_to_all_single``."""
-    order = torch.argsort(dest, stable=True)
+    """Rows (one per entry of ``dest``) to their destination ranks: one count exchange,
+    then one ``all_to_all_single`` per column, each as bytes (any dtype travels; the
+    byte views cost no copy, and rows already in destination order are not permuted).
+    """
+    n = dest.numel()
+    in_order = n < 2 or bool((dest[1:] >= dest[:-1]).all())
+    order = None if in_order else torch.argsort(dest, stable=True)
     send_counts = torch.bincount(dest, minlength=world_size)
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
-    widths = []
-    packed = []
-    for _, column in columns:
-        widths.append(_row_bytes(column))
-        packed.append(
-            column[order].contiguous().view(torch.uint8).reshape(order.numel(), widths[-1])
-        )
-    send = torch.cat(packed, dim=1) if packed else torch.empty(0, 0, dtype=torch.uint8)
     total = int(recv_counts.sum())
-    recv = torch.empty(total, sum(widths), dtype=torch.uint8)
-    dist.all_to_all_single(recv, send, recv_counts.tolist(), send_counts.tolist(), group=group)
     out = {}
-    start = 0
-    for (name, column), width in zip(columns, widths, strict=True):
-        part = recv[:, start : start + width].flatten().clone()  # own storage, offset 0
-        start += width
-        out[name] = part.view(column.dtype).reshape(total, *column.shape[1:])
+    for name, column in columns:
+        width = _row_bytes(column)
+        rows = column if order is None else column[order]
+        send = rows.contiguous().view(torch.uint8).reshape(n, width)
+        recv = torch.empty(total, width, dtype=torch.uint8)
+        dist.all_to_all_single(recv, send, recv_counts.tolist(), send_counts.tolist(), group=group)
+        if total == 0:  # a byte view of no bytes has no strides to reinterpret
+            out[name] = column.new_empty((0, *column.shape[1:]))
+        else:
+            out[name] = recv.view(column.dtype).reshape(total, *column.shape[1:])
     return out
 
 
