@@ -47,6 +47,7 @@ from torchrec_kvemb import (
     KVEmbeddingBagCollectionSharder,
     KVEmbeddingCollectionSharder,
     KVTableOptions,
+    SSDOptions,
     TTLOptions,
     checkpoint,
 )
@@ -118,8 +119,8 @@ class Model(nn.Module):
         return kt, self.dense(kt["s"])
 
 
-def sharder() -> KVEmbeddingBagCollectionSharder:
-    return KVEmbeddingBagCollectionSharder(OPTIONS, fused_params=FUSED)
+def sharder(options: dict | None = None) -> KVEmbeddingBagCollectionSharder:
+    return KVEmbeddingBagCollectionSharder(options or OPTIONS, fused_params=FUSED)
 
 
 def plan_of(placement: dict) -> dict[str, ParameterSharding]:
@@ -149,10 +150,10 @@ AFTER = {
 }
 
 
-def build(placement: dict) -> DistributedModelParallel:
+def build(placement: dict, options: dict | None = None) -> DistributedModelParallel:
     model = Model(EmbeddingBagCollection(configs(), device=META))
     plan = ShardingPlan({"ebc": plan_of(placement)})
-    return DistributedModelParallel(model, device=CPU, plan=plan, sharders=[sharder()])
+    return DistributedModelParallel(model, device=CPU, plan=plan, sharders=[sharder(options)])
 
 
 def batch(step: int, rank: int) -> tuple[KeyedJaggedTensor, dict[str, torch.Tensor]]:
@@ -374,6 +375,14 @@ def bad_plans(work_dir: str) -> dict:
     compare(tally, kv_snapshot(model), before, "refused changes nothing")
     tally.check("plan unchanged", dict(sharded.module_sharding_plan) == plan_before)
     step(model, 2)  # still trains
+    # A collection holding a table with an SSD tier (here the one that does not move).
+    ssd = SSDOptions(path=os.path.join(work_dir, "ssd"), capacity=1000)
+    options = {**OPTIONS, "tag": dataclasses.replace(OPTIONS["tag"], ssd=ssd)}
+    with_ssd = build(BEFORE, options)
+    tally.check(
+        "a collection with an SSD tier refused",
+        refused(with_ssd.module.ebc, {"user": new["user"]}, env, "table 'tag' has an SSD tier"),
+    )
     return tally.result()
 
 

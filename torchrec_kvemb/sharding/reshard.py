@@ -65,11 +65,6 @@ def _check_kv_placement(name: str, sharding: ParameterSharding, options: Any, wo
                 f"table {name!r}: row-wise over {world} ranks needs total_num_buckets "
                 f"divisible by {world}, it has {options.total_num_buckets}"
             )
-    if options.ssd is not None:
-        raise ValueError(
-            f"table {name!r} has an SSD tier, whose files belong to its shard on each "
-            f"rank: resharding it in place is not supported; {CHECKPOINT_HINT}"
-        )
 
 
 @dataclass
@@ -192,6 +187,14 @@ class KVResharding:
         for name in changed:
             if name in options:
                 _check_kv_placement(name, plan[name], options[name], world)
+        if plan != current:  # every KV shard of the collection is built again
+            for name, table_options in options.items():
+                if table_options.ssd is not None:
+                    raise ValueError(
+                        f"table {name!r} has an SSD tier, whose files belong to its shard "
+                        "on each rank: a collection holding it does not reshard in place; "
+                        f"{CHECKPOINT_HINT}"
+                    )
         return plan
 
     def _kv_snapshot(self) -> dict[str, Any]:
