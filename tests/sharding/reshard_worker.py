@@ -386,10 +386,14 @@ def bad_plans(work_dir: str) -> dict:
     return tally.result()
 
 
+def failing_switch() -> None:
+    raise RuntimeError("switch (injected)")
+
+
 def failure_midway(work_dir: str) -> dict:
-    """Placing rows fails on rank 0 after its first new shard took its rows: every
-    rank raises, the collection keeps its plan, shards and rows, trains on, and a
-    later reshard loses nothing."""
+    """Placing rows fails on rank 0 after its first new shard took its rows, then the
+    switch fails on rank 1: every rank raises each time, the collection keeps its
+    plan, shards and rows, trains on, and a later reshard loses nothing."""
     tally = Tally(0.0)
     rank = dist.get_rank()
     model = build(BEFORE)
@@ -427,6 +431,25 @@ def failure_midway(work_dir: str) -> dict:
     compare(tally, kv_snapshot(model), before, "after the failure")
     step(model, 2)
     trained = kv_snapshot(model)
+    # The switch to the new shardings fails on rank 1 (after rank 0 and 2 switched
+    # theirs): every rank goes back to its old shardings.
+    if rank == 1:
+        sharded._update_output_dist = failing_switch
+    try:
+        model.reshard({"ebc": (0.0, delta)}, "ebc")
+        tally.check("switch failure raised", False)
+    except RuntimeError as e:
+        tally.check("switch failure raised on every rank", "switch (injected)" in str(e))
+    finally:
+        sharded.__dict__.pop("_update_output_dist", None)
+    tally.check(
+        "plan kept after a failed switch", dict(sharded.module_sharding_plan) == plan_before
+    )
+    tally.check(
+        "shards kept after a failed switch",
+        all(sharded.kv_tables()[n] is t for n, t in tables_before.items()),
+    )
+    compare(tally, kv_snapshot(model), trained, "after the failed switch")
     model.reshard({"ebc": (0.0, delta)}, "ebc")
     compare(tally, kv_snapshot(model), trained, "a reshard after the failure")
     check_placement(tally, kv_snapshot(model))

@@ -31,6 +31,7 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingT
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.optim.keyed import CombinedOptimizer
 
+from torchrec_kvemb.checkpoint import collectives as comm
 from torchrec_kvemb.sharding.reshard_rows import exchange_tables, place_tables
 from torchrec_kvemb.sharding.sharded_common import KV_GROUP_PREFIX
 from torchrec_kvemb.state_dict import CheckpointError, install_table_entries, sharded_layouts
@@ -135,11 +136,18 @@ class KVResharding:
                 f"resharding in place failed, the collection keeps its plan and rows: {e}"
             ) from e
         saved = self._kv_snapshot()
+        error = None
         try:
             self._kv_switch(plan, rebuilt, tables)
-        except BaseException:
+        except Exception as e:
+            error = e
+        try:  # every rank switches, or none: one that switched goes back too
+            comm.agree(error, group)
+        except CheckpointError as e:
             self._kv_restore(saved)
-            raise
+            raise RuntimeError(
+                f"resharding in place failed, the collection keeps its plan and rows: {e}"
+            ) from e
 
     def kv_merged_plan(
         self, changed: Mapping[str, ParameterSharding], env: ShardingEnv
