@@ -128,7 +128,7 @@ class KVResharding:
         ranks = {layout.name: list(plan[layout.name].ranks or []) for layout in new_layouts}
         try:
             moved = exchange_tables(
-                self.kv_layouts(), new_layouts, ranks, self._env.world_size, group
+                self.kv_layouts(), new_layouts, ranks, self._env.world_size, group, device
             )
             place_tables(new_layouts, moved, group)
         except CheckpointError as e:  # agreed by every rank: none switches

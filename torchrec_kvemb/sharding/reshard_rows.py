@@ -6,16 +6,16 @@ Each KV table's rows leave their old shard as a checkpoint exports them
 state, eviction scores, TTL last-seen steps, admission counters, step counters),
 travel to the rank that owns each id under the new plan by
 ``all_to_all_single`` (each per-row column as bytes, so any row dtype and gloo
-or nccl carry it), and replace the content of
-the new shard with :func:`~torchrec_kvemb.state_dict.restore_table`, in checkpoint
-order (routing bucket, then id), as a checkpoint load would. Step counters are
-the largest over the old shards and learning rates those of the old shards, as a
-checkpoint saves them.
+or nccl carry it), and replace the content of the new shard with
+:func:`~torchrec_kvemb.state_dict.restore_table`, in checkpoint order (routing
+bucket, then id), as a checkpoint load would. Step counters are the largest over
+the old shards and learning rates those of the old shards, as a checkpoint saves
+them.
 
 Example::
 
-    moved = exchange_tables(old_layouts, new_layouts, group)   # collective
-    place_tables(new_layouts, moved)
+    moved = exchange_tables(old_layouts, new_layouts, ranks, world_size, group, device)
+    place_tables(new_layouts, moved, group)   # both collectives
 """
 
 from __future__ import annotations
@@ -68,11 +68,14 @@ def exchange_tables(
     new_ranks: dict[str, list[int]],
     world_size: int,
     group: dist.ProcessGroup | None,
+    device: torch.device | None = None,
 ) -> dict[str, MovedTable]:
     """Every KV table's rows from its old shards (``old``: layouts before, this rank's
     view) to its new ones (``new``: after; ``new_ranks``: the ranks each table's new
     plan names), by table name. A collective over ``group``: every rank calls it with
-    layouts of the same tables in the same order. Nothing of the old tables changes."""
+    layouts of the same tables in the same order. ``device``: where the tables live
+    (the tensors the collectives exchange; CPU by default). Nothing of the old tables
+    changes."""
     held = {layout.name: layout for layout in old if layout.table is not None}
     # Small facts of every old shard: its counters, learning rate and export columns
     # (which every rank needs: each column is one collective, also for a rank that
@@ -102,7 +105,9 @@ def exchange_tables(
         rows = None
         if name in held:
             rows = rows_from_entries(name, table_state(held[name].table))
-        got = _exchange_table(after, rows, spec, new_ranks[name], world_size, group)
+        got = _exchange_table(
+            after, rows, spec, new_ranks[name], world_size, group, device or torch.device("cpu")
+        )
         del rows
         if got is not None:
             got.step = step
@@ -153,18 +158,21 @@ def _exchange_table(
     ranks: list[int],
     world_size: int,
     group: dist.ProcessGroup | None,
+    device: torch.device,
 ) -> TableRows | None:
     """This rank's rows of one table for its new shard (None where it holds none);
     ``spec``: the export columns (name, dtype, trailing shape) of the old shards."""
     if rows is not None:
-        columns = _columns(rows)
+        columns = [(n, c.to(device)) for n, c in _columns(rows)]
     else:
-        columns = [(n, torch.empty((0, *tail), dtype=dtype)) for n, dtype, tail in spec]
+        columns = [
+            (n, torch.empty((0, *tail), dtype=dtype, device=device)) for n, dtype, tail in spec
+        ]
     ids = columns[0][1]
     received = _all_to_all(columns, destination(after, ranks, ids), world_size, group)
     admission = None
     if after.admission:
-        adm = _admission_columns(rows)
+        adm = [(n, c.to(device)) for n, c in _admission_columns(rows)]
         got = _all_to_all(adm, destination(after, ranks, adm[0][1]), world_size, group)
         order = _checkpoint_order(got["ids"], after.num_buckets)
         admission = (got["ids"][order], got["counts"][order], got["scores"][order])
@@ -246,7 +254,7 @@ def _all_to_all(
         width = _row_bytes(column)
         rows = column if order is None else column[order]
         send = rows.contiguous().view(torch.uint8).reshape(n, width)
-        recv = torch.empty(total, width, dtype=torch.uint8)
+        recv = torch.empty(total, width, dtype=torch.uint8, device=column.device)
         dist.all_to_all_single(recv, send, recv_counts.tolist(), send_counts.tolist(), group=group)
         if total == 0:  # a byte view of no bytes has no strides to reinterpret
             out[name] = column.new_empty((0, *column.shape[1:]))
