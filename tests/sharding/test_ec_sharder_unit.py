@@ -72,8 +72,11 @@ def test_sharded_module_holds_kv_shards(fake_world, sharding_type):
     assert table.capacity >= (1000 if sharding_type == RW else 3000)
     assert table.capacity < (2000 if sharding_type == RW else 6000)
     assert set(sharded.metrics()) == {"kv"}
-    with pytest.raises(NotImplementedError, match="checkpoint"):
-        sharded.update_shards({}, fake_world, None)
+    # Resharding in place checks the change before anything else (tests/sharding/test_reshard.py).
+    with pytest.raises(ValueError, match="tables \\['nope'\\] are not tables"):
+        sharded.update_shards({"nope": plan["kv"]}, fake_world, None)
+    sharded.update_shards({"kv": plan["kv"]}, fake_world, None)  # no change: nothing moves
+    assert sharded.kv_tables()["kv"] is table
 
 
 def test_bad_sharder_arguments():

@@ -118,6 +118,8 @@ class KVShardedMixin:
         # Read by the sharding factories, which the TorchRec base __init__ calls.
         self.__dict__["_kv_specs"] = specs
         self.__dict__["_use_index_dedup"] = use_index_dedup
+        #: The sharder's fused params: a reshard groups tables again from them.
+        self.__dict__["_kv_fused_params"] = fused_params
         super().__init__(  # type: ignore[call-arg]
             module,
             table_name_to_parameter_sharding,
@@ -233,17 +235,6 @@ class KVShardedMixin:
             super().reset_parameters()  # type: ignore[misc]
         finally:
             setattr(self, self.kv_configs_attribute, configs)
-
-    def update_shards(
-        self,
-        changed_sharding_params: EmbeddingModuleShardingPlan,
-        env: ShardingEnv,
-        device: torch.device | None,
-    ) -> None:
-        raise NotImplementedError(
-            "resharding a collection with KV tables in place is not supported yet; save a "
-            "checkpoint (torchrec_kvemb.checkpoint.save) and load it into the new sharding"
-        )
 
 
 def prefetch_kv_lookup(lookup: Any, features: KeyedJaggedTensor) -> None:

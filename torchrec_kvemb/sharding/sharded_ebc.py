@@ -46,6 +46,7 @@ from torchrec_kvemb.sharding.kv_embedding import (
 )
 from torchrec_kvemb.sharding.kv_sequence import KVGroupedEmbeddingsLookup
 from torchrec_kvemb.sharding.planner import KV_COMPUTE_KERNEL, check_plan
+from torchrec_kvemb.sharding.reshard_bags import KVBagResharding
 from torchrec_kvemb.sharding.rw import KVRwPooledEmbeddingSharding
 from torchrec_kvemb.sharding.rw_dedup import (
     KVDedupBagContext,
@@ -98,7 +99,9 @@ class _KVCollectionView(KVModuleView):
         return self._module.is_weighted()
 
 
-class ShardedKVEmbeddingBagCollection(KVShardedMixin, ShardedEmbeddingBagCollection):
+class ShardedKVEmbeddingBagCollection(
+    KVBagResharding, KVShardedMixin, ShardedEmbeddingBagCollection
+):
     """A sharded ``EmbeddingBagCollection`` (or ``KVEmbeddingBagCollection``) whose
     KV tables are sharded row-wise, table-wise, column-wise or table-row-wise over
     ``KVTable`` shards.
@@ -108,7 +111,9 @@ class ShardedKVEmbeddingBagCollection(KVShardedMixin, ShardedEmbeddingBagCollect
     TorchRec's. ``kv_tables()`` gives this rank's shards, ``metrics()`` their
     counters, ``kv_fused_optimizers()`` the optimizers whose ``lr`` drives them.
     ``state_dict()`` holds the KV tables' rows as ShardedTensors (a collective:
-    call it on every rank; see docs/checkpoint-format.md).
+    call it on every rank; see docs/checkpoint-format.md). ``update_shards`` (what
+    ``DistributedModelParallel.reshard`` calls) moves KV tables to a new plan in
+    place (:mod:`.reshard`).
 
     Example::
 
@@ -130,9 +135,22 @@ class ShardedKVEmbeddingBagCollection(KVShardedMixin, ShardedEmbeddingBagCollect
         self, module: nn.Module, specs: KVTableSpecs, plan: dict[str, ParameterSharding]
     ) -> nn.Module:
         check_bag_plan(specs.options, module.embedding_bag_configs(), plan)
+        self.__dict__["_kv_unsharded_type"] = type(module)
         if isinstance(module, KVEmbeddingBagCollection):
             return _KVCollectionView(module)
         return module
+
+    @property
+    def unsharded_module_type(self) -> type[nn.Module]:
+        """The type of the module sharded (``EmbeddingBagCollection`` or
+        ``KVEmbeddingBagCollection``): ``DistributedModelParallel.reshard`` finds the
+        sharder by it."""
+        return self._kv_unsharded_type
+
+    def check_kv_plan(self, plan: Mapping[str, ParameterSharding]) -> None:
+        """Raise ``ValueError`` naming the table where ``plan`` does not fit this
+        collection's tables (what ``shard()`` checks)."""
+        check_bag_plan(self._kv_specs.options, self._embedding_bag_configs, plan)
 
     # ------------------------------------------------- base class hooks
     def create_grouped_sharding_infos(

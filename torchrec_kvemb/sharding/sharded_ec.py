@@ -10,6 +10,7 @@ options stay stock.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from torchrec_kvemb.ec import KVEmbeddingCollection
 from torchrec_kvemb.sharding.kv_embedding import KVTableSpecs
 from torchrec_kvemb.sharding.kv_sequence import KVGroupedEmbeddingsLookup
 from torchrec_kvemb.sharding.planner import check_plan
+from torchrec_kvemb.sharding.reshard_sequences import KVSequenceResharding
 from torchrec_kvemb.sharding.sequence_shardings import KV_SEQUENCE_SHARDINGS
 from torchrec_kvemb.sharding.sharded_common import (
     KV_GROUP_PREFIX,
@@ -90,7 +92,9 @@ class _StockWeightsView:
         }
 
 
-class ShardedKVEmbeddingCollection(KVShardedMixin, ShardedEmbeddingCollection):
+class ShardedKVEmbeddingCollection(
+    KVSequenceResharding, KVShardedMixin, ShardedEmbeddingCollection
+):
     """A sharded ``EmbeddingCollection`` (or ``KVEmbeddingCollection``) whose KV tables
     are sharded row-wise, table-wise, column-wise or table-row-wise over ``KVTable``
     shards.
@@ -98,7 +102,8 @@ class ShardedKVEmbeddingCollection(KVShardedMixin, ShardedEmbeddingCollection):
     Built by :class:`~torchrec_kvemb.KVEmbeddingCollectionSharder`; forward and
     ``fused_optimizer`` are TorchRec's. ``kv_tables()`` gives this rank's shards,
     ``metrics()`` their counters. ``state_dict()`` holds the KV tables' rows as
-    ShardedTensors under ``embeddings.<table>.`` (a collective).
+    ShardedTensors under ``embeddings.<table>.`` (a collective). ``update_shards``
+    moves KV tables to a new plan in place (:mod:`.reshard`).
 
     Example::
 
@@ -150,6 +155,7 @@ class ShardedKVEmbeddingCollection(KVShardedMixin, ShardedEmbeddingCollection):
         self, module: nn.Module, specs: KVTableSpecs, plan: dict[str, ParameterSharding]
     ) -> nn.Module:
         check_plan(specs.options, module.embedding_configs(), plan, list(KV_SEQUENCE_SHARDINGS))
+        self.__dict__["_kv_unsharded_type"] = type(module)
         if isinstance(module, KVEmbeddingCollection):
             return _KVSequenceCollectionView(module)
         if module.device != torch.device("meta"):
@@ -163,11 +169,48 @@ class ShardedKVEmbeddingCollection(KVShardedMixin, ShardedEmbeddingCollection):
         table_name_to_parameter_sharding: dict[str, ParameterSharding],
         fused_params: dict[str, Any] | None,
     ) -> dict[str, list[EmbeddingShardingInfo]]:
-        """The stock grouping, with KV tables under their own keys, KV first."""
+        """The stock grouping, with KV tables under their own keys, KV first (kept:
+        a reshard builds its new shardings beside these, see :meth:`kv_sharding_infos`)."""
+        infos = self.grouped_kv_infos(module, table_name_to_parameter_sharding, fused_params)
+        self.keep_kv_sharding_infos(infos)
+        return infos
+
+    def grouped_kv_infos(
+        self,
+        module: Any,
+        table_name_to_parameter_sharding: dict[str, ParameterSharding],
+        fused_params: dict[str, Any] | None,
+    ) -> dict[str, list[EmbeddingShardingInfo]]:
+        """The stock grouping of ``module``'s tables for a plan, with KV tables under
+        their own keys, KV first; nothing kept."""
         return kv_groups_first(
             super().create_grouped_sharding_infos(
                 module, table_name_to_parameter_sharding, fused_params
             )
+        )
+
+    def keep_kv_sharding_infos(self, infos: dict[str, list[EmbeddingShardingInfo]]) -> None:
+        """Keep the sharding infos the collection is built from."""
+        self._kv_infos = infos
+
+    def kv_sharding_infos(self) -> dict[str, list[EmbeddingShardingInfo]]:
+        """The sharding infos (by sharding key) the collection's shardings are built from
+        (TorchRec's sequence collection keeps none, the bag collection keeps
+        ``sharding_type_to_sharding_infos``)."""
+        return self._kv_infos
+
+    @property
+    def unsharded_module_type(self) -> type[nn.Module]:
+        """The type of the module sharded (``EmbeddingCollection`` or
+        ``KVEmbeddingCollection``): ``DistributedModelParallel.reshard`` finds the
+        sharder by it."""
+        return self._kv_unsharded_type
+
+    def check_kv_plan(self, plan: Mapping[str, ParameterSharding]) -> None:
+        """Raise ``ValueError`` naming the table where ``plan`` does not fit this
+        collection's tables (what ``shard()`` checks)."""
+        check_plan(
+            self._kv_specs.options, self._embedding_configs, plan, list(KV_SEQUENCE_SHARDINGS)
         )
 
     def create_embedding_sharding(

@@ -11,8 +11,10 @@ Planning answers per table
 
 from __future__ import annotations
 
+import torch
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingEnv
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from torchrec_kvemb.ebc import KVEmbeddingBagCollection
@@ -85,3 +87,16 @@ class KVEmbeddingCollectionSharder(KVSharderBase, EmbeddingCollectionSharder):
     @property
     def sharded_module_type(self) -> type[ShardedKVEmbeddingCollection]:
         return ShardedKVEmbeddingCollection
+
+    def reshard(
+        self,
+        sharded_module: ShardedKVEmbeddingCollection,
+        changed_shard_to_params: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: torch.device | None = None,
+    ) -> ShardedKVEmbeddingCollection:
+        """What ``DistributedModelParallel.reshard`` calls (TorchRec's bag sharder has
+        it, its sequence sharder not): ``sharded_module.update_shards`` in place."""
+        if changed_shard_to_params:
+            sharded_module.update_shards(changed_shard_to_params, env, device)
+        return sharded_module
