@@ -14,6 +14,9 @@ Runs, in turn, each benchmark module's ``main``:
   the bytes per row (``benchmarks.precision``);
 * ``dist``: distributed train step, KV row-wise vs stock table-wise
   (``benchmarks.dist_train``, which launches its own ``torchrun`` job);
+* ``dist_plans``: KV column-wise (2 ranks) and table-row-wise (4 processes as
+  2 nodes x 2) vs the stock tables under the same plans (``benchmarks.dist_cw``,
+  ``benchmarks.dist_twrw``, each a ``torchrun`` job);
 * ``ssd``: a tenth of the ids in memory with the SSD tier vs all in memory
   (``benchmarks.ssd_tier``; and for 4 such tables, each system timed on its own:
   ``--tables 4 --sequential``);
@@ -65,7 +68,8 @@ from benchmarks.common import format_ratio, format_table, machine_summary, markd
 #: Tables of the SSD tier's several-table figure (``ssd_tier --tables 4 --sequential``).
 SSD_TABLES = 4
 BENCHMARKS = (
-    "ebc", "matrix", "ec", "precision", "dist", "ssd", "host", "growth", "checkpoint", "soak",
+    "ebc", "matrix", "ec", "precision", "dist", "dist_plans", "ssd", "host", "growth",
+    "checkpoint", "soak",
 )  # fmt: skip
 RESULTS_FILE = "benchmark-results.md"
 MATRIX_FILE = "bench_matrix.md"
@@ -207,6 +211,27 @@ def run_dist(quick: bool) -> tuple[list[Row], object]:
     return rows, result
 
 
+def run_dist_plans(quick: bool) -> tuple[list[Row], object]:
+    """Column-wise (2 ranks) and table-row-wise (4 processes as 2 nodes x 2) KV
+    tables against the stock tables under the same plans (no target)."""
+    from benchmarks import dist_cw, dist_twrw
+
+    flags = ["--quick"] if quick else []
+    results = {"cw": dist_cw.main(flags), "twrw": dist_twrw.main(flags)}
+    rows = [
+        Row(
+            "dist",
+            f"{module.KV} / {module.TBE}",
+            results[key].get(module.KV).ids_per_s / 1e6,
+            results[key].get(module.TBE).ids_per_s / 1e6,
+            "M ids/s",
+            None,
+        )
+        for key, module in (("cw", dist_cw), ("twrw", dist_twrw))
+    ]
+    return rows, results
+
+
 def run_ssd(quick: bool) -> tuple[list[Row], object]:
     from benchmarks import ssd_tier
 
@@ -330,6 +355,7 @@ RUNNERS: dict[str, Callable[[bool], tuple[list[Row], object]]] = {
     "ec": run_ec,
     "precision": run_precision,
     "dist": run_dist,
+    "dist_plans": run_dist_plans,
     "ssd": run_ssd,
     "host": run_host,
     "growth": run_growth,
