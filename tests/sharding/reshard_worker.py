@@ -14,7 +14,9 @@ with ``AFTER`` and loads the checkpoint. Both then train on: outputs at every
 step, and at the end every table's rows, optimizer state, scores, last-seen
 steps, admission counters, step counters and learning rates, must be equal bit
 for bit. A last scenario hands ``update_shards`` bad plans: each is refused
-naming the table, and nothing changes.
+naming the table, and nothing changes; then a table-wise table moves
+table-row-wise over the node of 3 ranks. Table-row-wise tables across 2 nodes:
+``reshard_twrw_worker``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import (
     construct_module_sharding_plan,
     row_wise,
+    table_row_wise,
     table_wise,
 )
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingPlan
@@ -372,9 +375,25 @@ def bad_plans(work_dir: str) -> dict:
     tally.check(
         "a rank outside the world refused", refused(sharded, {"tag": off_world}, env, "table 'tag'")
     )
+    not_a_node = dataclasses.replace(new["tag"], sharding_type="table_row_wise", ranks=[0, 1])
+    tally.check(
+        "table-row-wise off the node's ranks refused",
+        refused(sharded, {"tag": not_a_node}, env, "all ranks of one node"),
+    )
     compare(tally, kv_snapshot(model), before, "refused changes nothing")
     tally.check("plan unchanged", dict(sharded.module_sharding_plan) == plan_before)
     step(model, 2)  # still trains
+    # Table-row-wise moves: ``tag`` from rank 1 to the node of 3 (LOCAL_WORLD_SIZE=3).
+    trained = kv_snapshot(model)
+    node_plan = plan_of({**BEFORE, "tag": table_row_wise(host_index=0)})["tag"]
+    node_plan.compute_kernel = KV
+    model.reshard({"ebc": (0.0, {"tag": node_plan})}, "ebc")
+    spread = kv_snapshot(model)
+    compare(tally, spread, trained, "tag table-row-wise, nothing lost")
+    tally.check("tag on the node's ranks", spread["tag"]["ranks"] == list(range(world)))
+    for rank, ids in spread["tag"]["rows per rank"].items():
+        tally.check("tag ids on their owner", bool((owner_rank(ids, 99, world) == rank).all()))
+    step(model, 3)
     # A collection holding a table with an SSD tier (here the one that does not move).
     ssd = SSDOptions(path=os.path.join(work_dir, "ssd"), capacity=1000)
     options = {**OPTIONS, "tag": dataclasses.replace(OPTIONS["tag"], ssd=ssd)}

@@ -1,7 +1,9 @@
 """Resharding a collection's KV tables in place: ``update_shards`` / ``DMP.reshard``.
 
-A change of plan (same world size) moves KV tables among row-wise and
-table-wise, or a table-wise table to another rank. The collection's KV
+A change of plan (same world size) moves KV tables among row-wise,
+table-wise and table-row-wise, a table-wise table to another rank, or a
+table-row-wise one to another node (column-wise tables stay: their shards
+would need rows cut by columns). The collection's KV
 shardings are rebuilt from its table configs and the merged plan through the
 same factories that built them (``create_grouped_sharding_infos`` and the
 collection's sharding factory: :mod:`.reshard_bags`, :mod:`.reshard_sequences`);
@@ -26,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torchrec.distributed.comm import get_local_size
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 from torchrec.optim.fused import FusedOptimizerModule
@@ -34,6 +37,7 @@ from torchrec.optim.keyed import CombinedOptimizer
 from torchrec_kvemb.checkpoint import collectives as comm
 from torchrec_kvemb.sharding.reshard_rows import exchange_tables, place_tables
 from torchrec_kvemb.sharding.sharded_common import KV_GROUP_PREFIX
+from torchrec_kvemb.sharding.twrw import check_node_buckets, node_ranks
 from torchrec_kvemb.state_dict import CheckpointError, install_table_entries, sharded_layouts
 
 #: What to do for a change resharding in place does not make.
@@ -42,7 +46,11 @@ CHECKPOINT_HINT = (
     "sharded by the new plan"
 )
 #: KV sharding types whose rows' owners :func:`.reshard_rows.destination` knows.
-MOVABLE_SHARDING_TYPES = (ShardingType.ROW_WISE.value, ShardingType.TABLE_WISE.value)
+MOVABLE_SHARDING_TYPES = (
+    ShardingType.ROW_WISE.value,
+    ShardingType.TABLE_WISE.value,
+    ShardingType.TABLE_ROW_WISE.value,
+)
 
 
 def _check_kv_placement(name: str, sharding: ParameterSharding, options: Any, world: int) -> None:
@@ -66,6 +74,12 @@ def _check_kv_placement(name: str, sharding: ParameterSharding, options: Any, wo
                 f"table {name!r}: row-wise over {world} ranks needs total_num_buckets "
                 f"divisible by {world}, it has {options.total_num_buckets}"
             )
+    if sharding.sharding_type == ShardingType.TABLE_ROW_WISE.value:
+        if not ranks:
+            raise ValueError(f"table {name!r}: a table_row_wise plan names no ranks")
+        local_size = get_local_size(world)  # what the table-row-wise sharding reads
+        node_ranks(name, ranks, local_size, world)
+        check_node_buckets(name, options.total_num_buckets, local_size)
 
 
 @dataclass
@@ -104,11 +118,12 @@ class KVResharding:
     ) -> None:
         """Reshard in place to the plan with ``changed_sharding_params`` (table name ->
         new ``ParameterSharding``; the same world size): KV tables move among
-        row-wise and table-wise and between ranks, with their rows, optimizer state,
-        scores, counters and learning rates; stock tables stay as they are (a change
-        naming one is refused). What ``DistributedModelParallel.reshard`` calls; a
-        collective over the collection's process group. Bad plans raise ``ValueError``
-        and a failure on the way ``RuntimeError``, the collection unchanged."""
+        row-wise, table-wise and table-row-wise, between ranks and nodes, with their
+        rows, optimizer state, scores, counters and learning rates; stock tables stay
+        as they are (a change naming one is refused). What
+        ``DistributedModelParallel.reshard`` calls; a collective over the collection's
+        process group. Bad plans raise ``ValueError`` and a failure on the way
+        ``RuntimeError``, the collection unchanged."""
         plan = self.kv_merged_plan(changed_sharding_params, env)
         if plan == self.module_sharding_plan:
             return  # nothing moves (the same answer on every rank: no collective)
@@ -123,6 +138,7 @@ class KVResharding:
             optimizers,
             self._env.rank,
             self._env.world_size,
+            {name: p.ranks for name, p in plan.items()},
         )
         group = self._env.process_group
         ranks = {layout.name: list(plan[layout.name].ranks or []) for layout in new_layouts}
@@ -187,10 +203,16 @@ class KVResharding:
         for name in options:
             for when, sharding in (("is", current[name]), ("would be", plan[name])):
                 if sharding.sharding_type not in MOVABLE_SHARDING_TYPES:
+                    why = ""
+                    if sharding.sharding_type == ShardingType.COLUMN_WISE.value:
+                        why = (
+                            " (a column-wise shard holds some columns of its rows: moving "
+                            "them would need rows cut or joined by columns)"
+                        )
                     raise ValueError(
-                        f"table {name!r} {when} planned {sharding.sharding_type}: resharding "
-                        f"in place moves KV tables sharded {' or '.join(MOVABLE_SHARDING_TYPES)}"
-                        f"; {CHECKPOINT_HINT}"
+                        f"table {name!r} {when} planned {sharding.sharding_type}{why}: "
+                        "resharding in place moves KV tables sharded "
+                        f"{', '.join(MOVABLE_SHARDING_TYPES)}; {CHECKPOINT_HINT}"
                     )
         for name in changed:
             if name in options:

@@ -53,10 +53,15 @@ class MovedTable:
 
 
 def destination(layout: TableLayout, ranks: Sequence[int], ids: torch.Tensor) -> torch.Tensor:
-    """The rank each id goes to under a new layout: its routing bucket's owner
-    (row-wise), or the rank holding the table (table-wise, ``ranks[0]``)."""
+    """The rank each id goes to under a new layout (``ranks``: the plan's): its
+    routing bucket's owner over the world (row-wise) or over the table's node
+    (table-row-wise: ``ranks[bucket // (G / L)]``, ``L = len(ranks)``), or the rank
+    holding the table (table-wise, ``ranks[0]``). Column-wise rows cannot move."""
     if layout.sharding == "row_wise":
         return owner_rank(ids, layout.num_buckets, len(ranks))
+    if layout.sharding == "table_row_wise":
+        local = owner_rank(ids, layout.num_buckets, len(ranks))
+        return torch.tensor(list(ranks), dtype=torch.int64, device=ids.device)[local]
     if layout.sharding == "table_wise":
         return torch.full_like(ids, ranks[0])
     raise ValueError(f"table {layout.name!r}: rows of a {layout.sharding} table cannot move")
