@@ -1,0 +1,247 @@
+"""KV tables under 2D parallelism on CPU: 4 gloo processes as 2 replica groups x 2
+sharding ranks, laid out as ``DMPCollection`` lays them out, KV replicas synced by
+``KVReplicaSync`` after every step. Run by ``tests/sharding/test_replica_2d.py``::
+
+    torchrun --nproc_per_node 4 -m tests.sharding.replica_2d_worker RESULT.json
+
+``DMPCollection`` itself refuses non-CUDA devices, so this builds what it builds:
+its ``_create_process_groups`` mesh (sharding groups ``[0, 2]``, ``[1, 3]``; replica
+groups ``[0, 1]``, ``[2, 3]``), a plan for 2 ranks remapped by its
+``_remap_sharding_plan``, a ``ShardingEnv2D``, and ``DistributedModelParallel``.
+
+Scenarios:
+
+* ``sgd_global_batch``: SGD, ample capacity: after every sync every replica's rows
+  and scores equal an unsharded ``KVEmbeddingBagCollection`` fed the global batch
+  (ids and scores exactly, rows to float tolerance), and the outputs of each step too.
+* ``eviction_pressure``: small capacities (LRU with row-wise Adagrad, NONE), ids
+  drawn from a large pool: the merge evicts, and after every sync the replicas
+  hold the same ids in the same slots with bitwise equal rows, state, scores and
+  clocks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.distributed.model_parallel import DistributedModelParallel, DMPCollection
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.types import ShardingEnv2D
+from torchrec.modules.embedding_configs import PoolingType
+
+from tests.sharding.dist_worker import ADAGRAD, BATCH, SGD, EBCModel, global_batch
+from tests.torchrun_jobs import Tally, gather, gloo_job, run_scenarios
+from torchrec_kvemb import (
+    EvictionPolicy,
+    KVEmbeddingBagCollection,
+    KVEmbeddingBagCollectionSharder,
+    KVTableOptions,
+)
+from torchrec_kvemb.sharding.replica_sync import KVReplicaSync, kv_replica_sync_enabled
+
+#: Replica groups x sharding ranks.
+R, S = 2, 2
+STEPS = 5
+TOL = 1e-5
+CPU = torch.device("cpu")
+META = torch.device("meta")
+KEYS = ["u1", "u2", "i"]
+DIMS = {"u1": 6, "u2": 6, "i": 3}
+
+
+def configs() -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(
+            name="user", embedding_dim=6, num_embeddings=2**40, feature_names=["u1", "u2"]
+        ),
+        EmbeddingBagConfig(
+            name="item",
+            embedding_dim=3,
+            num_embeddings=2**40,
+            feature_names=["i"],
+            pooling=PoolingType.MEAN,
+        ),
+    ]
+
+
+def env_2d() -> ShardingEnv2D:
+    """The mesh and groups DMPCollection builds for N = R x S (its own methods, on CPU)."""
+    like_dmp = SimpleNamespace(_device=CPU)
+    mesh, sharding_pg, replica_pg = DMPCollection._create_process_groups(
+        like_dmp, global_rank=dist.get_rank(), world_size=R * S, local_size=S
+    )
+    assert isinstance(mesh, DeviceMesh)
+    return ShardingEnv2D(
+        sharding_pg=sharding_pg,
+        replica_pg=replica_pg,
+        global_pg=dist.GroupMember.WORLD,
+        device_mesh=mesh,
+    )
+
+
+def sharded_2d(options: dict, fused: dict, sharding: str):
+    """The model sharded ``sharding`` within each sharding group, its env and plan."""
+    sharder = KVEmbeddingBagCollectionSharder(options, fused_params=fused)
+    model = EBCModel(EmbeddingBagCollection(configs(), device=META))
+    constraints = {name: ParameterConstraints(sharding_types=[sharding]) for name in options}
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=S, compute_device="cpu"), constraints=constraints
+    )
+    plan = planner.plan(model, [sharder])
+    DMPCollection._remap_sharding_plan(
+        SimpleNamespace(_device=CPU),
+        plan=plan,
+        rank=dist.get_rank(),
+        step=R,
+        sharding_group_size=S,
+    )
+    env = env_2d()
+    with kv_replica_sync_enabled():
+        dmp = DistributedModelParallel(model, env=env, device=CPU, plan=plan, sharders=[sharder])
+    return dmp, env, plan
+
+
+def train_step(dmp, ref, step: int, pools: dict, tally: Tally | None) -> None:
+    """One global batch: this rank's bags through the 2D model, all of them through
+    ``ref`` (if any; loss divided by R x S, as TorchRec divides by S and the sync by R)."""
+    rank = dist.get_rank()
+    batch = global_batch(step, R * S, pools, DIMS)
+    kt = dmp(batch.kjt(KEYS, False, rank))
+    rows = slice(rank * BATCH, (rank + 1) * BATCH)
+    sum(((kt[k] * batch.coeff[k][rows]).sum() for k in KEYS), torch.zeros(())).backward()
+    if ref is None:
+        return
+    ref_kt = ref(batch.kjt(KEYS, False)).to_dict()
+    for k in KEYS:
+        tally.diff("outputs", kt[k], ref_kt[k][rows])
+    (sum((ref_kt[k] * batch.coeff[k]).sum() for k in KEYS) / (R * S)).backward()
+
+
+def replicas_equal(sync: KVReplicaSync, env: ShardingEnv2D) -> bool:
+    """Whether every replica holds the same bits as this one (every rank calls it)."""
+    same = True
+    for table in sync.tables.values():
+        for part in ("keys", "scores", "weights", "state"):
+            mine = getattr(table, part).contiguous()
+            seen = [torch.empty_like(mine) for _ in range(R)]
+            dist.all_gather(seen, mine, group=env.replica_pg)
+            same = same and all(torch.equal(s, mine) for s in seen)
+    return same
+
+
+def check_replicas_equal(tally: Tally, sync: KVReplicaSync, env: ShardingEnv2D) -> None:
+    """Every table's keys (ids by slot), scores, rows, state and clocks are the same
+    bits on every replica."""
+    for name, table in sync.tables.items():
+        for part in ("keys", "scores", "weights", "state", "clock"):
+            mine = getattr(table, part).contiguous()
+            seen = [torch.empty_like(mine) for _ in range(R)]
+            dist.all_gather(seen, mine, group=env.replica_pg)
+            tally.check(
+                f"{name} {part} equal over replicas", all(torch.equal(s, mine) for s in seen)
+            )
+
+
+def compare_with_reference(tally: Tally, sync: KVReplicaSync, ref, env: ShardingEnv2D) -> None:
+    """This sharding group's shards, put together, hold every id of ``ref`` with its
+    score (exactly) and row (to tolerance)."""
+    group = dist.get_rank() % R  # sharding group [g, g + R]
+    exports = gather((group, {n.split(".")[-1]: t.export() for n, t in sync.tables.items()}))
+    mine = [d for g, d in exports if g == group]
+    for name, ref_table in ref.kv_tables().items():
+        parts = [d[name] for d in mine if name in d]
+        merged = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        order = torch.argsort(merged["ids"])
+        merged = {k: v[order] for k, v in merged.items()}
+        want = ref_table.export()
+        same = torch.equal(merged["ids"], want["ids"])
+        tally.check(f"{name} same ids as the global-batch table", same)
+        if same:
+            tally.check(f"{name} same scores", torch.equal(merged["scores"], want["scores"]))
+            tally.diff("rows", merged["weights"], want["weights"])
+
+
+def sgd_scenario(sharding: str) -> Callable[[], dict]:
+    def run() -> dict:
+        options = {
+            "user": KVTableOptions(capacity=1024, seed=3, total_num_buckets=16),
+            "item": KVTableOptions(capacity=512, seed=4, total_num_buckets=16),
+        }
+        dmp, env, _ = sharded_2d(options, SGD, sharding)
+        ref = KVEmbeddingBagCollection(configs(), options, fused_params=SGD)
+        sync = KVReplicaSync.of_module(dmp, env.replica_pg)
+        tally = Tally(TOL)
+        held = sum(gather(len(sync.tables)))
+        tally.check(
+            "every table has a shard in every group",
+            held == 2 * (R * S if sharding == "row_wise" else R),
+        )
+        pools = {"u1": torch.arange(40) * 7 + 2**41, "u2": torch.arange(30), "i": torch.arange(25)}
+        apart = []
+        for step in range(STEPS):
+            train_step(dmp, ref, step, pools, tally)
+            apart.append(not replicas_equal(sync, env))
+            stats = sync.sync()
+            tally.check("no sync evictions", all(s.sync_evictions == 0 for s in stats.values()))
+            check_replicas_equal(tally, sync, env)
+            compare_with_reference(tally, sync, ref, env)
+        # the check has teeth: before each sync the replicas had trained apart
+        tally.check("replicas differ before every sync", all(gather(all(apart))))
+        return tally.result()
+
+    return run
+
+
+def pressure_scenario() -> dict:
+    options = {
+        "user": KVTableOptions(capacity=64, seed=5, total_num_buckets=4),
+        "item": KVTableOptions(
+            capacity=64, seed=6, total_num_buckets=4, eviction=EvictionPolicy.NONE
+        ),
+    }
+    dmp, env, _ = sharded_2d(options, ADAGRAD, "row_wise")
+    sync = KVReplicaSync.of_module(dmp, env.replica_pg)
+    tally = Tally(0.0)
+    pools = {
+        "u1": torch.arange(400) * 5 + 2**50,
+        "u2": torch.arange(300),
+        "i": torch.arange(300) * 3,
+    }
+    evictions = 0
+    for step in range(STEPS):
+        train_step(dmp, None, step, pools, None)
+        stats = sync.sync()
+        evictions += sum(s.sync_evictions for s in stats.values())
+        check_replicas_equal(tally, sync, env)
+        for name, table in sync.tables.items():
+            keys = table.keys[table.keys >= 0]
+            tally.check(f"{name} each id once", keys.unique().numel() == keys.numel())
+    total = sum(gather(evictions))
+    tally.check("the merge evicted ids", total > 0)
+    result = tally.result()
+    result["sync_evictions"] = total
+    return result
+
+
+SCENARIOS: dict[str, Callable[[], dict]] = {
+    "sgd_global_batch_row_wise": sgd_scenario("row_wise"),
+    "sgd_global_batch_table_wise": sgd_scenario("table_wise"),
+    "eviction_pressure": pressure_scenario,
+}
+
+
+def main() -> None:
+    with gloo_job():
+        run_scenarios(sys.argv[1], SCENARIOS)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
