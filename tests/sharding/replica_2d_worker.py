@@ -171,8 +171,12 @@ def compare_with_reference(tally: Tally, sync: KVReplicaSync, ref, env: Sharding
 def sgd_scenario(sharding: str) -> Callable[[], dict]:
     def run() -> dict:
         options = {
-            "user": KVTableOptions(capacity=1024, seed=3, total_num_buckets=16),
-            "item": KVTableOptions(capacity=512, seed=4, total_num_buckets=16),
+            "user": KVTableOptions(
+                capacity=1024, seed=3, total_num_buckets=16, init_low=-0.5, init_high=0.5
+            ),
+            "item": KVTableOptions(
+                capacity=512, seed=4, total_num_buckets=16, init_low=-0.5, init_high=0.5
+            ),
         }
         dmp, env, _ = sharded_2d(options, SGD, sharding)
         ref = KVEmbeddingBagCollection(configs(), options, fused_params=SGD)
@@ -201,9 +205,16 @@ def sgd_scenario(sharding: str) -> Callable[[], dict]:
 
 def pressure_scenario() -> dict:
     options = {
-        "user": KVTableOptions(capacity=64, seed=5, total_num_buckets=4),
+        "user": KVTableOptions(
+            capacity=64, seed=5, total_num_buckets=4, init_low=-0.5, init_high=0.5
+        ),
         "item": KVTableOptions(
-            capacity=64, seed=6, total_num_buckets=4, eviction=EvictionPolicy.NONE
+            capacity=64,
+            seed=6,
+            total_num_buckets=4,
+            eviction=EvictionPolicy.NONE,
+            init_low=-0.5,
+            init_high=0.5,
         ),
     }
     dmp, env, _ = sharded_2d(options, ADAGRAD, "row_wise")
