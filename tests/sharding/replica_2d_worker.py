@@ -44,6 +44,7 @@ from torchrec_kvemb import (
     KVEmbeddingBagCollectionSharder,
     KVTableOptions,
 )
+from torchrec_kvemb.sharding.dmp_collection import kv_syncs_for_contexts
 from torchrec_kvemb.sharding.replica_sync import KVReplicaSync, kv_replica_sync_enabled
 
 #: Replica groups x sharding ranks.
@@ -180,7 +181,8 @@ def sgd_scenario(sharding: str) -> Callable[[], dict]:
         }
         dmp, env, _ = sharded_2d(options, SGD, sharding)
         ref = KVEmbeddingBagCollection(configs(), options, fused_params=SGD)
-        sync = KVReplicaSync.of_module(dmp, env.replica_pg)
+        # what KVDMPCollection builds for its one context
+        (sync,) = kv_syncs_for_contexts(dmp, [SimpleNamespace(replica_pg=env.replica_pg)])
         tally = Tally(TOL)
         held = sum(gather(len(sync.tables)))
         tally.check(

@@ -154,6 +154,12 @@ class KVShardedMixin:
             tables.update(lookup.kv_tables())
         return tables
 
+    @property
+    def replica_group(self) -> Any:
+        """The group of this collection's replicas under ``ShardingEnv2D``
+        (``replica_pg``), else None."""
+        return self._env.replica_pg if isinstance(self._env, ShardingEnv2D) else None
+
     def kv_fused_optimizers(self) -> dict[str, KVFusedOptimizer]:
         """The ``KVFusedOptimizer`` (part of ``fused_optimizer``) whose ``lr`` drives each
         of this rank's KV table shards, by table name; tables of one grouped config
