@@ -169,6 +169,26 @@ def compare_with_reference(tally: Tally, sync: KVReplicaSync, ref, env: Sharding
             tally.diff("rows", merged["weights"], want["weights"])
 
 
+def check_state_dict(tally: Tally, dmp, sync: KVReplicaSync, env: ShardingEnv2D) -> None:
+    """``state_dict()`` under ``ShardingEnv2D``: each rank's shard holds its table's ids
+    and rows, and the global size is that of its sharding group's shards (the hooks
+    gather over ``sharding_pg``, not the global group)."""
+    sd = dmp.state_dict()
+    for fqn, table in sync.tables.items():
+        prefix = f"ebc.embedding_bags.{fqn.split('.')[-1]}."
+        want = table.export()
+        ids = torch.cat([s.tensor for s in sd[prefix + "weight_id"].local_shards()]).view(-1)
+        rows = torch.cat([s.tensor for s in sd[prefix + "weight"].local_shards()])
+        order = torch.argsort(ids)
+        tally.exact(f"{fqn} state_dict ids", ids[order], want["ids"])
+        tally.exact(f"{fqn} state_dict rows", rows[order], want["weights"])
+    for fqn, table in sync.tables.items():  # row-wise: every rank holds every table
+        total = torch.tensor([table.size])
+        dist.all_reduce(total, group=env.sharding_pg)
+        prefix = f"ebc.embedding_bags.{fqn.split('.')[-1]}."
+        tally.check(f"{fqn} state_dict size", sd[prefix + "weight_id"].size()[0] == int(total))
+
+
 def sgd_scenario(sharding: str) -> Callable[[], dict]:
     def run() -> dict:
         options = {
@@ -198,6 +218,8 @@ def sgd_scenario(sharding: str) -> Callable[[], dict]:
             tally.check("no sync evictions", all(s.sync_evictions == 0 for s in stats.values()))
             check_replicas_equal(tally, sync, env)
             compare_with_reference(tally, sync, ref, env)
+        if sharding == "row_wise":
+            check_state_dict(tally, dmp, sync, env)
         # the check has teeth: before each sync the replicas had trained apart
         tally.check("replicas differ before every sync", all(gather(all(apart))))
         return tally.result()
