@@ -14,6 +14,7 @@ Scenarios:
 * ``sgd_global_batch``: SGD, ample capacity: after every sync every replica's rows
   and scores equal an unsharded ``KVEmbeddingBagCollection`` fed the global batch
   (ids and scores exactly, rows to float tolerance), and the outputs of each step too.
+* ``sequence_row_wise``: the same for sequence tables (``EmbeddingCollection``).
 * ``eviction_pressure``: small capacities (LRU with row-wise Adagrad, NONE), ids
   drawn from a large pool: the merge evicts, and after every sync the replicas
   hold the same ids in the same slots with bitwise equal rows, state, scores and
@@ -30,18 +31,21 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection
 from torchrec.distributed.model_parallel import DistributedModelParallel, DMPCollection
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import ShardingEnv2D
 from torchrec.modules.embedding_configs import PoolingType
 
+from tests.sharding import ec_dist_worker as ec_worker
 from tests.sharding.dist_worker import ADAGRAD, BATCH, SGD, EBCModel, global_batch
 from tests.torchrun_jobs import Tally, gather, gloo_job, run_scenarios
 from torchrec_kvemb import (
     EvictionPolicy,
     KVEmbeddingBagCollection,
     KVEmbeddingBagCollectionSharder,
+    KVEmbeddingCollection,
+    KVEmbeddingCollectionSharder,
     KVTableOptions,
 )
 from torchrec_kvemb.sharding.dmp_collection import kv_syncs_for_contexts
@@ -88,10 +92,16 @@ def env_2d() -> ShardingEnv2D:
 
 
 def sharded_2d(options: dict, fused: dict, sharding: str):
-    """The model sharded ``sharding`` within each sharding group, its env and plan."""
+    """The bag model sharded ``sharding`` within each sharding group, its env and plan."""
     sharder = KVEmbeddingBagCollectionSharder(options, fused_params=fused)
-    model = EBCModel(EmbeddingBagCollection(configs(), device=META))
-    constraints = {name: ParameterConstraints(sharding_types=[sharding]) for name in options}
+    return shard_2d(EBCModel(EmbeddingBagCollection(configs(), device=META)), sharder, sharding)
+
+
+def shard_2d(model, sharder, sharding: str):
+    """``model`` (on meta) planned for S ranks with every KV table ``sharding``, the plan
+    remapped to this rank's sharding group, sharded over the ``ShardingEnv2D``."""
+    tables = sharder.table_options
+    constraints = {name: ParameterConstraints(sharding_types=[sharding]) for name in tables}
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=S, compute_device="cpu"), constraints=constraints
     )
@@ -265,9 +275,40 @@ def pressure_scenario() -> dict:
     return result
 
 
+def sequence_scenario() -> dict:
+    """Sequence tables (``EmbeddingCollection``), row-wise, SGD: every
+    step's outputs and, after each sync, the ids, scores and rows equal an unsharded
+    ``KVEmbeddingCollection`` fed the global batch; replicas bitwise equal."""
+    options = {
+        name: KVTableOptions(
+            capacity=512, seed=7 + i, total_num_buckets=16, init_low=-0.5, init_high=0.5
+        )
+        for i, name in enumerate(ec_worker.FEATURES)
+    }
+    sharder = KVEmbeddingCollectionSharder(options, fused_params=SGD)
+    model = ec_worker.ECModel(EmbeddingCollection(ec_worker.kv_configs(), device=META))
+    dmp, env, _ = shard_2d(model, sharder, "row_wise")
+    ref = KVEmbeddingCollection(ec_worker.kv_configs(), options, fused_params=SGD)
+    sync = KVReplicaSync.of_module(dmp, env.replica_pg)
+    tally = Tally(TOL)
+    rank, keys = dist.get_rank(), ec_worker.KEYS
+    for step in range(STEPS):
+        batch = ec_worker.GlobalBatch(step, R * S, keys)
+        out = dmp(batch.kjt(keys, rank))
+        ref_out = ref(batch.kjt(keys))
+        ec_worker.compare_outputs(tally, out, ref_out, batch, rank)
+        batch.loss(out, rank).backward()
+        (batch.loss(ref_out, None) / (R * S)).backward()
+        sync.sync()
+        check_replicas_equal(tally, sync, env)
+        compare_with_reference(tally, sync, ref, env)
+    return tally.result()
+
+
 SCENARIOS: dict[str, Callable[[], dict]] = {
     "sgd_global_batch_row_wise": sgd_scenario("row_wise"),
     "sgd_global_batch_table_wise": sgd_scenario("table_wise"),
+    "sequence_row_wise": sequence_scenario,
     "eviction_pressure": pressure_scenario,
 }
 

@@ -4,7 +4,12 @@ groups x 2 sharding ranks) runs every scenario of ``replica_2d_worker``."""
 from tests.torchrun_jobs import assert_scenarios_passed, read_result, run_job, torchrun_command
 
 WORKER = "tests.sharding.replica_2d_worker"
-SCENARIOS = {"sgd_global_batch_row_wise", "sgd_global_batch_table_wise", "eviction_pressure"}
+SCENARIOS = {
+    "sgd_global_batch_row_wise",
+    "sgd_global_batch_table_wise",
+    "sequence_row_wise",
+    "eviction_pressure",
+}
 
 
 def test_replicas_synced_by_id(tmp_path):
