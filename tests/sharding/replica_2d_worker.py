@@ -49,7 +49,11 @@ from torchrec_kvemb import (
     KVTableOptions,
 )
 from torchrec_kvemb.sharding.dmp_collection import kv_syncs_for_contexts
-from torchrec_kvemb.sharding.replica_sync import KVReplicaSync, kv_replica_sync_enabled
+from torchrec_kvemb.sharding.replica_sync import (
+    KVReplicaSync,
+    ShardState,
+    kv_replica_sync_enabled,
+)
 
 #: Replica groups x sharding ranks.
 R, S = 2, 2
@@ -259,19 +263,31 @@ def pressure_scenario() -> dict:
         "u2": torch.arange(300),
         "i": torch.arange(300) * 3,
     }
-    evictions = 0
+    evictions = changed = capacities = 0
     for step in range(STEPS):
         train_step(dmp, None, step, pools, None)
         stats = sync.sync()
         evictions += sum(s.sync_evictions for s in stats.values())
+        changed += sum(s.changed_slots for s in stats.values())
+        capacities += sum(t.capacity for t in sync.tables.values())
         check_replicas_equal(tally, sync, env)
         for name, table in sync.tables.items():
             keys = table.keys[table.keys >= 0]
             tally.check(f"{name} each id once", keys.unique().numel() == keys.numel())
+    # the exchange is by changed slot: fewer than all, and none after no training
+    tally.check("sent fewer slots than the shards hold", changed < capacities)
+    before = {n: ShardState.of_table(t) for n, t in sync.tables.items()}
+    stats = sync.sync()
+    tally.check("nothing sent without training", all(s.changed_slots == 0 for s in stats.values()))
+    for name, table in sync.tables.items():
+        after = ShardState.of_table(table)
+        tally.exact(f"{name} keys unchanged by an idle sync", after.keys, before[name].keys)
+        tally.exact(f"{name} rows unchanged by an idle sync", after.rows, before[name].rows)
     total = sum(gather(evictions))
     tally.check("the merge evicted ids", total > 0)
     result = tally.result()
     result["sync_evictions"] = total
+    result["changed_slots_per_slot"] = changed / capacities
     return result
 
 

@@ -23,8 +23,9 @@ slot is emptied and zeroed. Every replica computes the merge from the same
 gathered inputs in the same order, so after a sync the replicas hold the same ids
 in the same slots with bitwise equal rows, state and scores.
 
-This first version gathers whole shards over ``replica_pg`` (``R * capacity`` rows
-per table) and keeps a full copy of the synced shard as the baseline. It serves
+This first version keeps a full copy of the synced shard as the baseline; each
+replica sends over ``replica_pg`` only the slots it changed since, and every rank
+rebuilds and merges whole shards (O(``R * capacity``) work per table). It serves
 LRU and NONE tables without admission, TTL, sightings, growth or lower tiers
 (:func:`check_replicable` refuses the rest, naming the table).
 
@@ -122,10 +123,13 @@ class ShardState:
 
 @dataclass
 class MergeStats:
-    """What one merge did to one table: ids merged, ids evicted by the merged ranking."""
+    """What one merge did to one table: ids merged, ids evicted by the merged ranking,
+    and (set by :meth:`KVReplicaSync.sync`) the slots this replica had changed since
+    the last sync, which is what it sent."""
 
     ids: int
     sync_evictions: int
+    changed_slots: int = 0
 
 
 def merge_replicas(
@@ -242,7 +246,9 @@ class KVReplicaSync:
         self.tables = dict(sorted(tables.items()))
         self.pg = replica_pg
         self.replicas = dist.get_world_size(replica_pg)
-        self.metrics = {name: {"syncs": 0, "sync_evictions": 0} for name in self.tables}
+        self.metrics = {
+            name: {"syncs": 0, "sync_evictions": 0, "changed_slots": 0} for name in self.tables
+        }
         self._check_same_tables()
         self.reset()
 
@@ -294,30 +300,46 @@ class KVReplicaSync:
                     )
             self._synced[name] = state
 
+    def _gather_replicas(self, synced: ShardState, mine: ShardState) -> tuple[list, int]:
+        """Every replica's shard, rebuilt from the synced one (which every replica
+        holds) and the slots each replica changed since, gathered; and how many slots
+        this replica changed."""
+        changed = (
+            (mine.keys != synced.keys)
+            | (mine.scores != synced.scores)
+            | (mine.rows != synced.rows).any(1)
+        )
+        slots = changed.nonzero().squeeze(1)
+        counts = [int(c) for c in self._gather(torch.tensor([slots.numel()]))]
+        most = max(counts)
+        if most == 0:
+            return [synced] * self.replicas, 0
+        pad = most - slots.numel()
+        padded = torch.cat([slots, slots.new_zeros(pad)])
+        entries = torch.stack([padded, mine.keys[padded], mine.scores[padded]], dim=1)
+        rows = mine.rows[padded]
+        replicas = []
+        for n, e, r in zip(counts, self._gather(entries), self._gather(rows), strict=True):
+            state = ShardState(synced.keys.clone(), synced.scores.clone(), synced.rows.clone())
+            state.keys[e[:n, 0]] = e[:n, 1]
+            state.scores[e[:n, 0]] = e[:n, 2]
+            state.rows[e[:n, 0]] = r[:n]
+            replicas.append(state)
+        return replicas, slots.numel()
+
     @torch.no_grad()
     def sync(self) -> dict[str, MergeStats]:
         """Merge every table with its replicas (module docstring); returns what each
         merge did."""
         stats = {}
         for name, table in self.tables.items():
-            mine = ShardState.of_table(table)
-            gathered = [
-                ShardState(k, s, r)
-                for k, s, r in zip(
-                    self._gather(mine.keys),
-                    self._gather(mine.scores),
-                    self._gather(mine.rows),
-                    strict=True,
-                )
-            ]
+            synced = self._synced[name]
+            replicas, changed = self._gather_replicas(synced, ShardState.of_table(table))
             clocks = torch.stack(self._gather(table.clock.clone())).max(0).values
             merged, stats[name] = merge_replicas(
-                self._synced[name],
-                gathered,
-                table.initial_rows,
-                table.dim,
-                table.options.eviction,
+                synced, replicas, table.initial_rows, table.dim, table.options.eviction
             )
+            stats[name].changed_slots = changed
             table.keys.copy_(merged.keys.view_as(table.keys))
             table.scores.copy_(merged.scores.view_as(table.scores))
             table.weights.copy_(merged.rows[:, : table.dim].to(table.weights.dtype))
@@ -328,4 +350,5 @@ class KVReplicaSync:
             self._synced[name] = ShardState.of_table(table)
             self.metrics[name]["syncs"] += 1
             self.metrics[name]["sync_evictions"] += stats[name].sync_evictions
+            self.metrics[name]["changed_slots"] += changed
         return stats
