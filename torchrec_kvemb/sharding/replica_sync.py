@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchrec_kvemb.options import WAYS, EvictionPolicy
+from torchrec_kvemb.options import WAYS, EvictionPolicy, KVTableOptions
 from torchrec_kvemb.table import KVTable
 
 #: The eviction policies a replicated KV table may have in this version.
@@ -75,9 +75,9 @@ def replica_sync_is_enabled() -> bool:
     return _ENABLED.get()
 
 
-def replica_limits(name: str, options: object) -> list[str]:
-    """What keeps table ``name`` (``KVTableOptions``) from replica sync in this
-    version: one phrase per reason, empty when it can be replicated."""
+def replica_limits(options: KVTableOptions) -> list[str]:
+    """What keeps a table of ``options`` from replica sync in this version: one phrase
+    per reason, empty when it can be replicated."""
     reasons = []
     if options.eviction not in REPLICABLE_POLICIES:
         reasons.append(f"eviction {options.eviction.name} (LRU or NONE only)")
@@ -94,10 +94,10 @@ def replica_limits(name: str, options: object) -> list[str]:
     return reasons
 
 
-def check_replicable(tables: Mapping[str, object]) -> None:
+def check_replicable(tables: Mapping[str, KVTableOptions]) -> None:
     """Refuse (``NotImplementedError`` naming each table and why) the ``KVTableOptions``
     by table name that replica sync does not serve yet."""
-    refused = {n: r for n, o in sorted(tables.items()) if (r := replica_limits(n, o))}
+    refused = {n: r for n, o in sorted(tables.items()) if (r := replica_limits(o))}
     if refused:
         detail = "; ".join(f"table {n!r}: {', '.join(r)}" for n, r in refused.items())
         raise NotImplementedError(
