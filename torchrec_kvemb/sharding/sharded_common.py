@@ -24,6 +24,7 @@ from torchrec.distributed.types import (
     ParameterSharding,
     QuantizedCommCodecs,
     ShardingEnv,
+    ShardingEnv2D,
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -37,6 +38,12 @@ from torchrec_kvemb.table import KVTable
 #: Prefix of the ``sharding_type_to_sharding_infos`` keys of KV groups. The keys
 #: are labels only; separate keys give KV tables their own input dist.
 KV_GROUP_PREFIX = "kv:"
+
+
+def sharding_group(env: ShardingEnv) -> Any:
+    """The process group a sharded collection's shards span: ``sharding_pg`` under
+    ``ShardingEnv2D`` (whose ``process_group`` is the global group), else the env's."""
+    return env.sharding_pg if isinstance(env, ShardingEnv2D) else env.process_group
 
 
 def kv_groups_first(
@@ -146,6 +153,12 @@ class KVShardedMixin:
         for lookup in self._kv_lookups():
             tables.update(lookup.kv_tables())
         return tables
+
+    @property
+    def replica_group(self) -> Any:
+        """The group of this collection's replicas under ``ShardingEnv2D``
+        (``replica_pg``), else None."""
+        return self._env.replica_pg if isinstance(self._env, ShardingEnv2D) else None
 
     def kv_fused_optimizers(self) -> dict[str, KVFusedOptimizer]:
         """The ``KVFusedOptimizer`` (part of ``fused_optimizer``) whose ``lr`` drives each

@@ -58,6 +58,7 @@ from torchrec_kvemb.sharding.sharded_common import (
     KVModuleView,
     KVShardedMixin,
     kv_groups_first,
+    sharding_group,
 )
 from torchrec_kvemb.sharding.tw import KVTwPooledEmbeddingSharding
 from torchrec_kvemb.sharding.twrw import KVTwRwPooledEmbeddingSharding
@@ -239,7 +240,7 @@ class ShardedKVEmbeddingBagCollection(
         """The stock state_dict entries, plus the KV tables' (docs/checkpoint-format.md)."""
         super()._initialize_torch_state(skip_registering)
         if not skip_registering:
-            register_sharded_hooks(self, self._env.process_group)
+            register_sharded_hooks(self, sharding_group(self._env))
 
     def _pool_kv_mean_by_sum(self) -> None:
         """Row-wise KV MEAN tables get their ``1 / bag length`` per id in the input dist

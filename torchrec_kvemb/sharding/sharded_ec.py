@@ -36,6 +36,7 @@ from torchrec_kvemb.sharding.sharded_common import (
     KVModuleView,
     KVShardedMixin,
     kv_groups_first,
+    sharding_group,
 )
 from torchrec_kvemb.state_dict.hooks import register_sharded_hooks
 
@@ -239,4 +240,4 @@ class ShardedKVEmbeddingCollection(
         """The stock state_dict entries, plus the KV tables' (docs/checkpoint-format.md)."""
         super()._initialize_torch_state(skip_registering)
         if not skip_registering:
-            register_sharded_hooks(self, self._env.process_group, attribute="embeddings")
+            register_sharded_hooks(self, sharding_group(self._env), attribute="embeddings")

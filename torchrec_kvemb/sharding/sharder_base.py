@@ -23,6 +23,7 @@ from torchrec_kvemb.optimizer import FusedOptimConfig, marked_fused_params
 from torchrec_kvemb.options import KVTableOptions, with_config_init
 from torchrec_kvemb.sharding.kv_embedding import KVTableSpecs, optim_config
 from torchrec_kvemb.sharding.planner import KV_COMPUTE_KERNEL, storage_proxy
+from torchrec_kvemb.sharding.replica_sync import check_replicable, replica_sync_is_enabled
 from torchrec_kvemb.sharding.sharded_ebc import KV_SHARDING_TYPES
 
 
@@ -183,6 +184,22 @@ class KVSharderBase:
             optim = self._marked_optim(stock.get(table), table)
         return specs.options[table], optim
 
+    def _check_2d(self, module: nn.Module) -> None:
+        """Under ``ShardingEnv2D`` KV tables need their replicas synced by id: shard only
+        inside ``kv_replica_sync_enabled()`` (``KVDMPCollection`` enters it), and only
+        tables replica sync serves."""
+        options = self.table_specs(module).options
+        if not replica_sync_is_enabled():
+            raise NotImplementedError(
+                f"KV tables {sorted(options)}: 2D parallelism (ShardingEnv2D) needs the KV "
+                "replicas synced by id, which DMPCollection.sync() does not do (it averages "
+                "weights by row position, and KV replicas hold other ids in other slots). "
+                "Use torchrec_kvemb.sharding.KVDMPCollection, or shard inside "
+                "kv_replica_sync_enabled() and call KVReplicaSync.sync() yourself "
+                "(docs/sharding-design.md, '2D parallelism')"
+            )
+        check_replicable(options)
+
     def _marked_optim(self, weight: torch.Tensor | None, table: str) -> FusedOptimConfig:
         """The optimizer a stock table's KV shards will run: the sharder's
         ``fused_params`` merged with what ``apply_optimizer_in_backward`` marked the
@@ -232,15 +249,7 @@ class KVSharderBase:
     ) -> nn.Module:
         """The sharded module (``sharded_module_type``) of ``module`` under ``params``."""
         if isinstance(env, ShardingEnv2D):
-            kv = sorted(self.table_specs(module).options)
-            raise NotImplementedError(
-                f"KV tables {kv}: 2D parallelism (DMPCollection, ShardingEnv2D) is not "
-                "supported: its sync() averages stock weights by row position, and KV "
-                "replicas hold other ids in other slots, so they would drift apart "
-                "unsynchronised (the design that keeps them equal by id: "
-                "docs/sharding-design.md, '2D parallelism'). Shard with "
-                "DistributedModelParallel over one sharding group instead"
-            )
+            self._check_2d(module)
         if isinstance(module, self.kv_module):
             stored = {n: t.size for n, t in module.kv_tables().items() if t.size}
             if stored:
