@@ -14,13 +14,17 @@ directory of its own with ``python setup.py build_ext --inplace``)::
     python -m benchmarks.native_builds \\
         old=/tmp/old/torchrec_kvemb/_kvemb_native_avx2.cpython-311-x86_64-linux-gnu.so \\
         new=torchrec_kvemb/_kvemb_native_avx2.cpython-311-x86_64-linux-gnu.so \\
-        [--repeats 9] [--threads 2] [--no-train]
+        [--repeats 9] [--threads 2] [--no-train] [--small-pages]
+
+``--small-pages`` adds a KV collection built with ``TORCHREC_KVEMB_HUGE_PAGES=0``
+(its arrays on 4 KB pages), run on the first build: the huge pages' share.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -64,6 +68,22 @@ def load_build(path: str) -> ctypes.CDLL:
         native_lib.load_variant.cache_clear()
 
 
+SMALL = "4 KB pages"
+
+
+def build_on_small_pages(config: eb.BenchConfig):
+    """A KV collection whose arrays are not asked for huge pages (docs/native.md)."""
+    saved = os.environ.get("TORCHREC_KVEMB_HUGE_PAGES")
+    os.environ["TORCHREC_KVEMB_HUGE_PAGES"] = "0"
+    try:
+        return eb.build_kv(config, config.rows)
+    finally:
+        if saved is None:
+            del os.environ["TORCHREC_KVEMB_HUGE_PAGES"]
+        else:
+            os.environ["TORCHREC_KVEMB_HUGE_PAGES"] = saved
+
+
 def on_build(lib: ctypes.CDLL, step: Callable[[int], None]) -> Callable[[int], None]:
     def run(i: int) -> None:
         native_lib.load = lambda: (lib, None)
@@ -86,32 +106,50 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-train", action="store_true", help="time eval steps only")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    parser.add_argument(
+        "--small-pages",
+        action="store_true",
+        help="also time a second KV collection built with TORCHREC_KVEMB_HUGE_PAGES=0 "
+        "(on the first build)",
+    )
     args = parser.parse_args(argv)
     builds = {}
     for spec in args.builds:
         name, _, path = spec.partition("=")
         builds[name] = load_build(path)
-    config = replace(eb.BenchConfig(), spread=False, repeats=args.repeats, threads=args.threads)
+    base = eb.QUICK if args.quick else eb.BenchConfig()
+    config = replace(base, spread=False, repeats=args.repeats, threads=args.threads)
     previous, package_load = set_threads(config.threads), native_lib.load
     load_at_start = load_average()
     try:
         batches = eb.make_batches(config)
         kv, tbe = eb.build_kv(config, config.rows), eb.build_tbe(config)
-        native_lib.load = lambda: (next(iter(builds.values())), None)
-        for prime in (eb.kv_train(kv, batches.prime, batches.grad),
-                      eb.tbe_train(tbe, batches.prime, batches.grad)):  # fmt: skip
+        first = next(iter(builds.values()))
+        small = build_on_small_pages(config) if args.small_pages else None
+        native_lib.load = lambda: (first, None)
+        primes = [eb.kv_train(kv, batches.prime, batches.grad),
+                  eb.tbe_train(tbe, batches.prime, batches.grad)]  # fmt: skip
+        if small is not None:
+            primes.append(eb.kv_train(small, batches.prime, batches.grad))
+        for prime in primes:
             for i in range(config.prime):
                 prime(i)
         table = []
         if not args.no_train:
             steps = {n: on_build(b, eb.kv_train(kv, batches.timed, batches.grad))
                      for n, b in builds.items()}  # fmt: skip
+            if small is not None:
+                steps[SMALL] = on_build(first, eb.kv_train(small, batches.timed, batches.grad))
             steps[eb.TBE] = eb.tbe_train(tbe, batches.timed, batches.grad)
             table += rows(
                 time_interleaved(steps, config.steps, config.repeats, config.warmup), "train"
             )
         kv.eval()
         steps = {n: on_build(b, eb.kv_eval(kv, batches.held_out)) for n, b in builds.items()}
+        if small is not None:
+            small.eval()
+            steps[SMALL] = on_build(first, eb.kv_eval(small, batches.held_out))
         steps[eb.TBE] = eb.tbe_eval(tbe, batches.held_out)
         table += rows(time_interleaved(steps, config.steps, config.repeats, config.warmup), "eval")
     finally:
