@@ -100,7 +100,8 @@ def rows(timings: dict, mode: str) -> list[tuple]:
     ]
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> list[tuple]:
+    """Time the builds, print the table; returns its rows (mode, system, ms, best, ratio)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("builds", nargs="+", help="NAME=PATH of a built library")
     parser.add_argument("--repeats", type=int, default=9)
@@ -159,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"{eb.describe(config)}; {threads} threads")
     print(f"load average {load_at_start:.1f} at start, {load_average():.1f} at end")
     print(format_table(("mode", "system", "median ms", "best ms", "TBE / system"), table))
+    return table
 
 
 if __name__ == "__main__":
