@@ -10,6 +10,7 @@
 #include "pool.h"
 
 #include <pthread.h>
+#include <signal.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -71,7 +72,7 @@ int64_t spin_us_from_env() {
 }
 
 struct Pool {
-  std::mutex call;  // held by the call whose job the pool runs
+  std::atomic<bool> busy{false};  // a call's job is on the pool
 
   std::atomic<uint64_t> generation{0};
   std::atomic<int64_t> active{0};  // pool threads inside the current job
@@ -131,9 +132,19 @@ struct Pool {
     }
   }
 
-  // Starts pool threads up to ``wanted`` (called with ``call`` held).
+  // Starts pool threads up to ``wanted`` (called by the call holding ``busy``),
+  // with every signal blocked: signals go to the process's own threads.
   void grow(int64_t wanted) {
     wanted = std::min(wanted, kMaxPoolThreads);
+    if (static_cast<int64_t>(threads.size()) >= wanted) return;
+    sigset_t all, previous;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &previous);
+    start_threads(wanted);
+    pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+  }
+
+  void start_threads(int64_t wanted) {
     while (static_cast<int64_t>(threads.size()) < wanted) {
       const int64_t worker = static_cast<int64_t>(threads.size()) + 1;
       const uint64_t seen = generation.load();
@@ -224,12 +235,15 @@ bool run_tasks(int64_t tasks, int64_t workers, TaskFn fn, void* context) {
     return ok;
   }
   Pool* p = pool();
-  std::unique_lock<std::mutex> lock(p->call, std::try_to_lock);
-  if (!lock.owns_lock()) {
+  // why a flag, not a mutex: a task of the pool's own job may call parallel_for
+  // on the thread that holds it (try_lock there is undefined for std::mutex).
+  if (p->busy.exchange(true, std::memory_order_acquire)) {
     p->spawned_jobs.fetch_add(1, std::memory_order_relaxed);
     return run_spawned(tasks, workers, fn, context);
   }
-  return p->run(tasks, workers, fn, context);
+  const bool ok = p->run(tasks, workers, fn, context);
+  p->busy.store(false, std::memory_order_release);
+  return ok;
 }
 
 PoolStats pool_stats() {

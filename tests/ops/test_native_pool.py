@@ -44,6 +44,11 @@ def selftest(tasks: int, threads: int, failing: int = NO_FAILURE, sleep_us: int 
     return status, worker[:tasks], thread[:tasks]
 
 
+def blocked_signals(tid: int) -> int:
+    with open(f"/proc/self/task/{tid}/status") as f:
+        return next(int(line.split()[1], 16) for line in f if line.startswith("SigBlk:"))
+
+
 def os_threads() -> set[int]:
     return {int(t) for t in os.listdir("/proc/self/task")}
 
@@ -98,6 +103,9 @@ def test_the_same_threads_serve_call_after_call() -> None:
         seen |= {t for w, t in zip(worker.tolist(), thread.tolist()) if w != 0}
     after = native_lib.pool_stats()
     assert seen and seen <= known  # no thread started for a call
+    # Pool threads block signals (they go to the process's own threads).
+    assert all(blocked_signals(t) != 0 for t in seen)
+    assert blocked_signals(threading.get_native_id()) == 0
     assert os_threads() == known
     assert after["threads"] == before["threads"] >= 3
     assert after["pooled_calls"] == before["pooled_calls"] + 20
