@@ -41,6 +41,8 @@ def test_a_large_tables_index_and_rows_are_marked_and_hold_their_values() -> Non
     assert huge_pages.advised(big) and bool((big == -1).all())
     small = huge_pages.zeros((huge_pages.MIN_BYTES // 4 - 1,), torch.float32)
     assert not huge_pages.advised(small) and not bool(small.any())
+    meta = TableStorage.allocate(FRESH_ROWS, 17, 1, 0, device="meta")  # no memory: left alone
+    assert meta.weights.device.type == "meta" and huge_pages.advise(meta.weights) == 0
 
 
 def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

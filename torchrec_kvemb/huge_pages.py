@@ -64,8 +64,10 @@ def enabled() -> bool:
 def advise(tensor: torch.Tensor) -> int:
     """Ask for huge pages under the 2 MB-aligned part of ``tensor``'s memory; the
     bytes asked for (0: not done). Call it before the memory is first written."""
+    if tensor.device.type != "cpu" or not enabled():
+        return 0
     nbytes = tensor.untyped_storage().nbytes()
-    if tensor.device.type != "cpu" or nbytes < MIN_BYTES or not enabled():
+    if nbytes < MIN_BYTES:
         return 0
     start = tensor.untyped_storage().data_ptr()
     begin = -(-start // HUGE_PAGE) * HUGE_PAGE
