@@ -17,7 +17,7 @@ extern "C" {
 
 // Bump on any change of a signature or struct below; native.py refuses a
 // library whose version differs (a stale build).
-#define KV_ABI_VERSION 8
+#define KV_ABI_VERSION 9
 
 enum KvStatus {
   KV_OK = 0,
@@ -49,6 +49,17 @@ enum KvMetric {
 };
 
 int kv_abi_version(void);
+
+// The worker pool of every parallel call (pool.h): out[0] pool threads
+// started in this process, out[1] calls it ran, out[2] calls that found it
+// busy and started threads of their own, out[3] its idle spin in us.
+int kv_pool_stats(int64_t* out);
+
+// A check of the pool alone (tests): ``tasks`` tasks on ``num_threads``
+// threads, each sleeping ``sleep_us`` and writing its worker and its OS
+// thread id; task ``failing_task`` throws std::bad_alloc instead (KV_OUT_OF_MEMORY).
+int kv_pool_selftest(int64_t tasks, int64_t num_threads, int64_t failing_task, int64_t sleep_us,
+                     int64_t* worker_of_task, int64_t* thread_of_task);
 
 // Whether this CPU runs AVX2 code, and whether this build is the AVX2 one.
 int kv_cpu_has_avx2(void);

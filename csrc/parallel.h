@@ -1,9 +1,9 @@
 // Threads for one call: tasks taken one at a time from a shared counter.
 //
-// Threads live for one parallel_for (no pool, no global state), so two groups
-// can run in one process, from any Python thread. What a task computes must
-// not depend on which worker runs it: every kernel writes each task's results
-// to places fixed by the task, and sums integers per worker (order-free).
+// The threads are a pool started once per process (pool.h, pool.cpp): a call
+// wakes it, and an idle pool thread sleeps. What a task computes must not
+// depend on which worker runs it: every kernel writes each task's results to
+// places fixed by the task, and sums integers per worker (order-free).
 #pragma once
 
 #include <algorithm>
@@ -11,8 +11,8 @@
 #include <cstdint>
 #include <memory>
 #include <new>
-#include <thread>
-#include <vector>
+
+#include "pool.h"
 
 namespace kvemb {
 
@@ -30,33 +30,22 @@ inline int64_t worker_count(int64_t tasks, int64_t threads) {
   return std::max<int64_t>(1, std::min(threads, tasks));
 }
 
-// Runs fn(task, worker) for task in [0, tasks) on worker_count() workers;
-// false if a task ran out of memory (the other tasks still ran).
+// Runs fn(task, worker) for task in [0, tasks) on worker_count() workers
+// (worker in [0, worker_count())); false if a task ran out of memory (the
+// other tasks still ran).
 template <class F>
 bool parallel_for(int64_t tasks, int64_t threads, F&& fn) {
-  const int64_t workers = worker_count(tasks, threads);
-  std::atomic<int64_t> next{0};
-  std::atomic<bool> failed{false};
-  auto work = [&](int64_t worker) {
-    for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
-      try {
-        fn(task, worker);
-      } catch (const std::bad_alloc&) {
-        failed.store(true);
-      }
+  auto* body = &fn;
+  TaskFn run_one = [](void* context, int64_t task, int64_t worker) -> bool {
+    try {
+      (*static_cast<decltype(body)>(context))(task, worker);
+      return true;
+    } catch (const std::bad_alloc&) {
+      return false;
     }
   };
-  std::vector<std::thread> pool;
-  for (int64_t w = 1; w < workers; ++w) {
-    try {
-      pool.emplace_back(work, w);
-    } catch (...) {
-      break;  // no more threads: the started workers take the remaining tasks
-    }
-  }
-  work(0);
-  for (auto& thread : pool) thread.join();
-  return !failed.load();
+  return run_tasks(tasks, worker_count(tasks, threads), run_one,
+                   const_cast<void*>(static_cast<const void*>(body)));
 }
 
 // [begin, end) of slice s when n items are cut into ``slices`` equal slices.

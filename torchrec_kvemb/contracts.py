@@ -48,6 +48,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from torchrec_kvemb import huge_pages
 from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import DEFAULT_INIT_RANGE, WAYS, EvictionPolicy, Initializer
 
@@ -253,14 +254,15 @@ class TableStorage(NamedTuple):
         weights_dtype: torch.dtype = torch.float32,
     ) -> TableStorage:
         """Empty arrays for ``rows`` rows (of ``weights_dtype``) and ``counter_ids``
-        admission entries (both multiples of ``WAYS``)."""
-        keys = torch.full((rows // WAYS, WAYS), -1, dtype=torch.int64, device=device)
+        admission entries (both multiples of ``WAYS``). The index and rows of a
+        large table are asked for 2 MB pages on the host (``huge_pages``)."""
+        keys = huge_pages.full((rows // WAYS, WAYS), -1, torch.int64, device)
         counter_keys = torch.full((counter_ids // WAYS, WAYS), -1, dtype=torch.int64, device=device)
         return cls(
             keys,
-            torch.zeros_like(keys),
-            torch.zeros(rows, dim, dtype=weights_dtype, device=device),
-            torch.zeros(rows, state_dim, dtype=torch.float32, device=device),
+            huge_pages.zeros(tuple(keys.shape), torch.int64, device),
+            huge_pages.zeros((rows, dim), weights_dtype, device),
+            huge_pages.zeros((rows, state_dim), torch.float32, device),
             counter_keys,
             torch.zeros_like(counter_keys),
             torch.zeros(counter_ids, dtype=torch.int64, device=device),

@@ -35,7 +35,7 @@ from torchrec_kvemb.validation import KVInputError
 #: The shared library's extension name (setup.py builds csrc/ into it).
 LIBRARY = "torchrec_kvemb._kvemb_native"
 #: Must equal KV_ABI_VERSION in csrc/kvemb_native.h.
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 _OK, _BAD_TABLE, _NEGATIVE_ID, _OUT_OF_MEMORY, _BAD_ARGUMENT = range(5)
 
@@ -267,6 +267,8 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
     lib.kv_export_order.argtypes = [_PTR, _I64, ctypes.c_uint64, _I64, _I64, _PTR, _PTR, _PTR]
     lib.kv_crc32.argtypes = [_PTR, _I64, ctypes.c_uint32, _PTR]
     lib.kv_crc32_folds.argtypes = []
+    lib.kv_pool_stats.argtypes = [_PTR]
+    lib.kv_pool_selftest.argtypes = [_I64, _I64, _I64, _I64, _PTR, _PTR]
     for fn in (
         lib.kv_index_bucket,
         lib.kv_init_uniform,
@@ -284,6 +286,8 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
         lib.kv_export_order,
         lib.kv_crc32,
         lib.kv_crc32_folds,
+        lib.kv_pool_stats,
+        lib.kv_pool_selftest,
         lib.kv_cpu_has_avx2,
         lib.kv_build_has_avx2,
     ):
@@ -323,6 +327,19 @@ def library() -> ctypes.CDLL:
     if lib is None:
         raise NativeOpError(f"torchrec_kvemb native kernels unavailable: {reason}")
     return lib
+
+
+def pool_stats() -> dict[str, int]:
+    """What the library's worker pool did in this process (docs/native.md, Threads).
+
+    ``threads``: pool threads started; ``pooled_calls``: parallel calls the pool
+    ran; ``spawned_calls``: calls that found it busy (another thread's call)
+    and started threads of their own; ``spin_us``: how long an idle pool
+    thread spins before it sleeps (``TORCHREC_KVEMB_POOL_SPIN_US``)."""
+    out = torch.zeros(4, dtype=torch.int64)
+    check_status(library().kv_pool_stats(out.data_ptr()), "pool_stats")
+    names = ("threads", "pooled_calls", "spawned_calls", "spin_us")
+    return dict(zip(names, out.tolist()))
 
 
 # ------------------------------------------------------------- argument checks
@@ -368,8 +385,9 @@ def check_status(status: int, op: str) -> None:
 
 
 #: Items below which an op given no thread count runs on one thread (why: a
-#: thread start costs 30-50 us, and on a busy machine a thread waiting for a
-#: core stalls the call for a scheduler slice, milliseconds).
+#: thread start cost 30-50 us, and on a busy machine a thread waiting for a
+#: core stalled the call for a scheduler slice, milliseconds; measured with
+#: threads started per call, before the pool, and kept).
 SMALL_WORK = 65_536
 
 
