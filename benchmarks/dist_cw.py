@@ -29,13 +29,9 @@ import argparse
 import gc
 import json
 import logging
-import os
-import subprocess
-import sys
-import tempfile
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -46,15 +42,21 @@ from torchrec.distributed.sharding_plan import column_wise, construct_module_sha
 from torchrec.distributed.types import ShardingPlan
 
 from benchmarks.common import (
-    Timing,
     add_config_flags,
     config_from_args,
-    format_table,
     load_average,
     machine_summary,
     time_interleaved,
 )
-from benchmarks.dist_train import _batches, _Model, _train_step
+from benchmarks.dist_train import (
+    SystemResult,
+    _batches,
+    _Model,
+    _train_step,
+    results_table,
+    run_job,
+    slowest_rank_results,
+)
 from torchrec_kvemb import KVEmbeddingBagCollectionSharder, KVTableOptions
 
 KV = "KV column-wise"
@@ -91,15 +93,6 @@ class CwBenchConfig:
 QUICK = CwBenchConfig(
     tables=2, dim=16, batch=64, bag=4, rows=10_000, batches=2, steps=2, repeats=2, prime=2
 )
-
-
-@dataclass(frozen=True)
-class SystemResult:
-    system: str
-    ms_per_step: float
-    best_ms: float
-    ids_per_s: float
-    gb_per_s: float
 
 
 @dataclass(frozen=True)
@@ -184,22 +177,7 @@ def _measure(config: CwBenchConfig) -> dict:
         for i in range(config.prime):
             steps[system](i)
     timings = time_interleaved(steps, config.steps, config.repeats, config.warmup)
-    samples: list = [None] * config.world_size
-    dist.all_gather_object(samples, {s: t.samples for s, t in timings.items()})
-    slowest = {
-        s: Timing.from_samples([max(block) for block in zip(*(p[s] for p in samples))])
-        for s in timings
-    }
-    results = [
-        SystemResult(
-            system=s,
-            ms_per_step=1e3 * t.median_s,
-            best_ms=1e3 * t.best_s,
-            ids_per_s=config.ids_per_step / t.median_s,
-            gb_per_s=config.ids_per_step * config.dim * 4 / t.median_s / 1e9,
-        )
-        for s, t in slowest.items()
-    ]
+    results = slowest_rank_results(timings, config.world_size, config.ids_per_step, config.dim)
     return {
         "config": asdict(config),
         "results": [asdict(r) for r in results],
@@ -211,22 +189,7 @@ def _measure(config: CwBenchConfig) -> dict:
 # ---------------------------------------------------------------- launcher
 def launch(config: CwBenchConfig, timeout_s: float = 300) -> CwBenchResult:
     """Run the job with ``torchrun``; returns rank 0's result."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        overrides = [
-            f"--{f.name.replace('_', '-')}={getattr(config, f.name)}" for f in fields(config)
-        ]
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={config.world_size}",
-            "-m", "benchmarks.dist_cw", "--worker", out, *overrides,
-        ]  # fmt: skip
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        job = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
-        if job.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(f"benchmark job failed ({job.returncode}):\n{job.stderr[-4000:]}")
-        with open(out) as f:
-            data = json.load(f)
+    data = run_job("benchmarks.dist_cw", config, config.world_size, timeout_s)
     return CwBenchResult(
         config=CwBenchConfig(**data["config"]),
         results=tuple(SystemResult(**r) for r in data["results"]),
@@ -245,12 +208,7 @@ def report(result: CwBenchResult) -> str:
         f"{c.steps} steps after {c.prime} priming steps.\n{result.machine}; load average "
         f"{result.load[0]:.2f} at start, {result.load[1]:.2f} at end."
     )
-    rows = [
-        (r.system, f"{r.ms_per_step:.1f}", f"{r.best_ms:.1f}", f"{r.ids_per_s / 1e6:.2f}",
-         f"{r.gb_per_s:.2f}")
-        for r in result.results
-    ]  # fmt: skip
-    table = format_table(("system", "ms/step", "best ms", "M ids/s", "GB/s"), rows)
+    table = results_table(result.results)
     return "\n\n".join([head, table, f"{KV} / {TBE} (ids/s): {result.ratio:.2f}x"])
 
 

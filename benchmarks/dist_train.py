@@ -230,26 +230,11 @@ def _measure(config: DistBenchConfig) -> dict:
             steps[system](i)
     timings = time_interleaved(steps, config.steps, config.repeats, config.warmup)
     # A step ends for all ranks together: a block takes its slowest rank's time.
-    samples: list = [None] * config.world_size
-    dist.all_gather_object(samples, {s: t.samples for s, t in timings.items()})
-    slowest = {
-        s: Timing.from_samples([max(block) for block in zip(*(p[s] for p in samples))])
-        for s in timings
-    }
     metrics: dict[str, float] = {}
     for table_metrics in models[KV].module.ebc.metrics().values():
         for key, value in table_metrics.items():
             metrics[key] = metrics.get(key, 0.0) + value
-    results = [
-        SystemResult(
-            system=s,
-            ms_per_step=1e3 * t.median_s,
-            best_ms=1e3 * t.best_s,
-            ids_per_s=config.ids_per_step / t.median_s,
-            gb_per_s=config.ids_per_step * config.dim * 4 / t.median_s / 1e9,
-        )
-        for s, t in slowest.items()
-    ]
+    results = slowest_rank_results(timings, config.world_size, config.ids_per_step, config.dim)
     return {
         "config": asdict(config),
         "results": [asdict(r) for r in results],
@@ -259,9 +244,33 @@ def _measure(config: DistBenchConfig) -> dict:
     }
 
 
-# ---------------------------------------------------------------- launcher
-def launch(config: DistBenchConfig, timeout_s: float = 600) -> DistBenchResult:
-    """Run the job with ``torchrun`` (``config.world_size`` processes); returns rank 0's result."""
+# ------------------------------------------------ shared by the distributed benchmarks
+def slowest_rank_results(
+    timings: dict[str, Timing], world_size: int, ids_per_step: int, dim: int
+) -> list[SystemResult]:
+    """Each system's figures over every rank (a collective): a step ends for all
+    ranks together, so a timed block takes its slowest rank's time."""
+    samples: list = [None] * world_size
+    dist.all_gather_object(samples, {s: t.samples for s, t in timings.items()})
+    slowest = {
+        s: Timing.from_samples([max(block) for block in zip(*(p[s] for p in samples))])
+        for s in timings
+    }
+    return [
+        SystemResult(
+            system=s,
+            ms_per_step=1e3 * t.median_s,
+            best_ms=1e3 * t.best_s,
+            ids_per_s=ids_per_step / t.median_s,
+            gb_per_s=ids_per_step * dim * 4 / t.median_s / 1e9,
+        )
+        for s, t in slowest.items()
+    ]
+
+
+def run_job(module: str, config: object, processes: int, timeout_s: float) -> dict:
+    """Run ``python -m <module> --worker <json>`` with ``config``'s fields as flags on
+    ``processes`` torchrun processes (one thread each); rank 0's JSON result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         overrides = [
@@ -269,15 +278,30 @@ def launch(config: DistBenchConfig, timeout_s: float = 600) -> DistBenchResult:
         ]
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={config.world_size}",
-            "-m", "benchmarks.dist_train", "--worker", out, *overrides,
+            f"--nproc_per_node={processes}", "-m", module, "--worker", out, *overrides,
         ]  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS="1")
         job = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
         if job.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"benchmark job failed ({job.returncode}):\n{job.stderr[-4000:]}")
         with open(out) as f:
-            data = json.load(f)
+            return json.load(f)
+
+
+def results_table(results: Sequence[SystemResult]) -> str:
+    """The systems' figures as a text table."""
+    rows = [
+        (r.system, f"{r.ms_per_step:.1f}", f"{r.best_ms:.1f}", f"{r.ids_per_s / 1e6:.2f}",
+         f"{r.gb_per_s:.2f}")
+        for r in results
+    ]  # fmt: skip
+    return format_table(("system", "ms/step", "best ms", "M ids/s", "GB/s"), rows)
+
+
+# ---------------------------------------------------------------- launcher
+def launch(config: DistBenchConfig, timeout_s: float = 600) -> DistBenchResult:
+    """Run the job with ``torchrun`` (``config.world_size`` processes); returns rank 0's result."""
+    data = run_job("benchmarks.dist_train", config, config.world_size, timeout_s)
     return DistBenchResult(
         config=DistBenchConfig(**data["config"]),
         results=tuple(SystemResult(**r) for r in data["results"]),
@@ -296,12 +320,7 @@ def report(result: DistBenchResult) -> str:
         f"{c.steps} steps after {c.prime} priming steps.\n{result.machine}; load average "
         f"{result.load[0]:.2f} at start, {result.load[1]:.2f} at end."
     )
-    rows = [
-        (r.system, f"{r.ms_per_step:.1f}", f"{r.best_ms:.1f}", f"{r.ids_per_s / 1e6:.2f}",
-         f"{r.gb_per_s:.2f}")
-        for r in result.results
-    ]  # fmt: skip
-    table = format_table(("system", "ms/step", "best ms", "M ids/s", "GB/s"), rows)
+    table = results_table(result.results)
     verdict = "met" if result.ratio >= TARGET else "MISSED"
     ratio = f"{KV} / {TBE} (ids/s): {result.ratio:.2f}x (target >= {TARGET}x: {verdict})"
     tw = result.get(KV_TW).ids_per_s / result.get(TBE).ids_per_s

@@ -34,12 +34,9 @@ import gc
 import json
 import logging
 import os
-import subprocess
-import sys
-import tempfile
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -50,10 +47,8 @@ from torchrec.distributed.sharding_plan import construct_module_sharding_plan, t
 from torchrec.distributed.types import ShardingPlan
 
 from benchmarks.common import (
-    Timing,
     add_config_flags,
     config_from_args,
-    format_table,
     load_average,
     machine_summary,
     time_interleaved,
@@ -65,6 +60,9 @@ from benchmarks.dist_train import (
     _configs,
     _Model,
     _train_step,
+    results_table,
+    run_job,
+    slowest_rank_results,
 )
 from torchrec_kvemb import KVEmbeddingBagCollectionSharder, KVTableOptions
 
@@ -167,22 +165,7 @@ def _measure(config: DistBenchConfig) -> dict:
         for i in range(config.prime):
             steps[system](i)
     timings = time_interleaved(steps, config.steps, config.repeats, config.warmup)
-    samples: list = [None] * config.world_size
-    dist.all_gather_object(samples, {s: t.samples for s, t in timings.items()})
-    slowest = {
-        s: Timing.from_samples([max(block) for block in zip(*(p[s] for p in samples))])
-        for s in timings
-    }
-    results = [
-        SystemResult(
-            system=s,
-            ms_per_step=1e3 * t.median_s,
-            best_ms=1e3 * t.best_s,
-            ids_per_s=config.ids_per_step / t.median_s,
-            gb_per_s=config.ids_per_step * config.dim * 4 / t.median_s / 1e9,
-        )
-        for s, t in slowest.items()
-    ]
+    results = slowest_rank_results(timings, config.world_size, config.ids_per_step, config.dim)
     return {
         "config": asdict(config),
         "results": [asdict(r) for r in results],
@@ -194,22 +177,7 @@ def _measure(config: DistBenchConfig) -> dict:
 # ---------------------------------------------------------------- launcher
 def launch(config: DistBenchConfig, timeout_s: float = 600) -> TwRwBenchResult:
     """Run the job with ``torchrun`` (4 processes); returns rank 0's result."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        overrides = [
-            f"--{f.name.replace('_', '-')}={getattr(config, f.name)}" for f in fields(config)
-        ]
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={WORLD}",
-            "-m", "benchmarks.dist_twrw", "--worker", out, *overrides,
-        ]  # fmt: skip
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        job = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
-        if job.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(f"benchmark job failed ({job.returncode}):\n{job.stderr[-4000:]}")
-        with open(out) as f:
-            data = json.load(f)
+    data = run_job("benchmarks.dist_twrw", config, WORLD, timeout_s)
     return TwRwBenchResult(
         config=DistBenchConfig(**data["config"]),
         results=tuple(SystemResult(**r) for r in data["results"]),
@@ -228,12 +196,7 @@ def report(result: TwRwBenchResult) -> str:
         f"priming steps.\n{result.machine}; load average {result.load[0]:.2f} at start, "
         f"{result.load[1]:.2f} at end."
     )
-    rows = [
-        (r.system, f"{r.ms_per_step:.1f}", f"{r.best_ms:.1f}", f"{r.ids_per_s / 1e6:.2f}",
-         f"{r.gb_per_s:.2f}")
-        for r in result.results
-    ]  # fmt: skip
-    table = format_table(("system", "ms/step", "best ms", "M ids/s", "GB/s"), rows)
+    table = results_table(result.results)
     ratio = f"{KV} / {TBE} (ids/s): {result.ratio:.2f}x"
     return "\n\n".join([head, table, ratio])
 
