@@ -631,11 +631,12 @@ class TieredKVTable(KVTable, serves_ssd=True):
         self._tier.reserve(n)
 
     def fetch_lower(
-        self, uniq: torch.Tensor, miss: torch.Tensor
+        self, uniq: torch.Tensor, miss: torch.Tensor, on_host: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The lower tier's rows of ``uniq[miss]`` (unique ids): ``(positions in uniq,
         tier slots, memory scores, rows [k, dim + state_dim])`` of those it holds
-        intact, on the table's device. They stay in the tier until ``tier.remove``."""
+        intact, on the table's device (``on_host``: scores and rows in host memory, for
+        a group's one copy up). They stay in the tier until ``tier.remove``."""
         miss_ids = uniq[miss].cpu()
         ssd_slots = self._tier.lookup(miss_ids)
         held = (ssd_slots >= 0).nonzero().squeeze(1)
@@ -643,6 +644,8 @@ class TieredKVTable(KVTable, serves_ssd=True):
         if not bool(ok.all()):
             held, scores, rows = held[ok], scores[ok], rows[ok]
         found = miss[held.to(miss.device)]
+        if on_host:
+            return found, ssd_slots[held], scores, rows
         # A host tier under a CUDA table gathers into pinned memory: the copies to the
         # device run on the transfers' side stream without a pageable bounce buffer.
         return found, ssd_slots[held], upload(scores, self.device), upload(rows, self.device)
