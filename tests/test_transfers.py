@@ -31,7 +31,7 @@ from torchrec_kvemb import (
     tiered_triton,
     transfers,
 )
-from torchrec_kvemb.backend import ENV_VAR
+from torchrec_kvemb.backend import ENV_VAR, implementation
 from torchrec_kvemb.ops import native
 from torchrec_kvemb.ops.hashing import index_bucket
 from torchrec_kvemb.options import WAYS
@@ -243,12 +243,12 @@ def _group_steps(case: str, kernels: str, device, tmp_path, monkeypatch) -> None
     ids, scores, rows and optimizer state of every tier) and, for its counters,
     the same tables over the same tiers on the torch path (both CPU), at every
     step; spies count the transfers of each step."""
-    triton = kernels == "triton" or device.type == "cuda"
+    with backend(kernels):
+        triton = implementation(device) == "triton"
+        tiered = _ebc(False, device, case, tmp_path / "group")
     tol = TRITON_TOL if triton else {"rtol": 1e-6, "atol": 1e-7}
     if device.type == "cuda":
         tol = {"rtol": RTOL, "atol": ATOL}
-    with backend(kernels):
-        tiered = _ebc(False, device, case, tmp_path / "group")
     with backend("torch"):
         ref, full = _ebc(False, None, case, tmp_path / "ref"), _ebc(True, None, case)
     calls: dict = {}

@@ -29,7 +29,6 @@ from collections.abc import Sequence
 import torch
 
 from torchrec_kvemb.contracts import KERNEL_METRICS, GroupLayout, TableStorage
-from torchrec_kvemb.kernels.group_lookup import TierPromotions
 from torchrec_kvemb.ops import native
 from torchrec_kvemb.transfers import host_buffer, upload
 
@@ -48,10 +47,10 @@ def rows_up(rows: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
 
 def _promotions(
     ids: Sequence[torch.Tensor], scores: Sequence[torch.Tensor], device: torch.device
-) -> TierPromotions:
-    """The promotions on ``device``: the tiers' host ``ids`` and ``scores``, table by
-    table, and where each table's start, in one int64 host buffer (pinned under
-    CUDA) and one copy up."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ids, scores, offsets [T + 1])`` of the promotions on ``device``: the tiers'
+    host ``ids`` and ``scores``, table by table, and where each table's start, in one
+    int64 host buffer (pinned under CUDA) and one copy up."""
     counts = [i.numel() for i in ids]
     total = sum(counts)
     meta = torch.empty(
@@ -62,7 +61,7 @@ def _promotions(
     meta[2 * total] = 0
     meta[2 * total + 1 :] = torch.tensor(counts, dtype=torch.int64).cumsum(0)
     meta = upload(meta, device)
-    return TierPromotions(meta[:total], meta[total : 2 * total], meta[2 * total :])
+    return meta[:total], meta[total : 2 * total], meta[2 * total :]
 
 
 def lookup_train_triton(
@@ -88,12 +87,13 @@ def lookup_train_triton(
         KIND_ADMIT_NEW,
         KIND_NEW,
         KIND_PROMOTED,
+        TierPromotions,
         group_lookup_train_tiers_triton,
     )
 
     device = ids.device
     T = layout.num_tables
-    tier = _promotions(promoted_ids, promoted_scores, device)
+    tier = TierPromotions(*_promotions(promoted_ids, promoted_scores, device))
     use_custom = None
     if custom_scores is not None:
         flags = [True] * T if custom_tables is None else list(custom_tables)
