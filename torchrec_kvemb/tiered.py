@@ -308,7 +308,8 @@ class TieredKVTable(KVTable, serves_ssd=True):
     def lookup_backend(self, device: torch.device | str) -> str:
         """What runs this table's training lookup: the native kernel where
         ``backend.implementation`` says ``"native"`` (one pass over both tiers,
-        ``tiered_lookup``), else the torch path (no Triton path over an SSD tier)."""
+        ``tiered_lookup``), else the torch path (a lone table over tiers; a group of
+        them runs the Triton group kernels on CUDA: ``KVTableGroup.backend``)."""
         return "native" if implementation(device) == "native" else "torch"
 
     def _lookup_train_native(
