@@ -8,10 +8,13 @@ scores of every tier). On the native kernels (CPU) and on the Triton kernels
 (``tiered_triton.py``; here in the interpreter, one copy up of the promoted ids
 and scores and one of their rows), over host tiers alone and over bounded host
 tiers above SSD tiers with admission; the Triton group's counters equal those
-of the same tables over the same tiers on the torch path. The device twins run
+of the same tables over the same tiers on the torch path (with CUSTOM_SCORE
+tables and the batches' scores too). The device twins run
 the tiered group on the device under test (on CUDA: the Triton kernels, pinned
 host rows, copies on the side stream).
 """
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -324,3 +327,53 @@ def test_a_tiered_group_moves_its_rows_in_one_gather_and_one_scatter_on_the_devi
     Triton kernels compiled, the copies on the side stream; CPU: the native
     kernel), over small host tiers above SSD tiers with admission."""
     _group_steps("host-over-ssd-admission", "auto", device, tmp_path, monkeypatch)
+
+
+def test_custom_scores_over_tiers_on_triton_kernels_equal_the_torch_path(tmp_path):
+    """CUSTOM_SCORE tables over bounded host tiers above SSD tiers, the batches'
+    scores given: the Triton group pass (the interpreter) keeps the ids, scores,
+    rows and counters of the same tables over the same tiers on the torch path."""
+
+    def collection(path) -> KVEmbeddingBagCollection:
+        configs = [
+            EmbeddingBagConfig(
+                name=t, embedding_dim=DIM, num_embeddings=2**50, feature_names=[f"f{t}"]
+            )
+            for t in TABLES
+        ]
+        options = KVTableOptions(
+            capacity=MEMORY_BUCKETS * WAYS,
+            eviction=EvictionPolicy.CUSTOM_SCORE,
+            host_tier=HostTierOptions(capacity=2 * WAYS, eviction=EvictionPolicy.NONE),
+            init_low=-0.1,
+            init_high=0.1,
+            seed=7,
+        )
+        opts = {t: replace(options, ssd=SSDOptions(str(path / t))) for t in TABLES}
+        return KVEmbeddingBagCollection(configs, opts, fused_params=FUSED)
+
+    with backend("triton"):
+        tiered = collection(tmp_path / "triton")
+    with backend("torch"):
+        ref = collection(tmp_path / "torch")
+    gen = torch.Generator().manual_seed(8)
+    for step, kjt in enumerate(_batches()):
+        scores = {
+            f"f{t}": torch.randint(0, 50, (kjt[f"f{t}"].values().numel(),), generator=gen)
+            for t in TABLES
+        }
+        grad = torch.randn(4, 3 * DIM, generator=gen)
+        for collection_, name in ((tiered, "triton"), (ref, "torch")):
+            with backend(name):
+                (collection_(kjt, eviction_scores=scores).values() * grad).sum().backward()
+        for t in TABLES:
+            what = f"step {step} table {t}"
+            got, want = tiered.table(t).export(), ref.table(t).export()
+            assert_tables_equal(what, got, want, **TRITON_TOL)
+            m, m_ref = tiered.table(t).metrics(), ref.table(t).metrics()
+            assert m == m_ref, (what, {k: (m[k], m_ref[k]) for k in m if m[k] != m_ref.get(k)})
+    for t in TABLES:
+        m = tiered.table(t).metrics()
+        assert m["promotions"] > 0 and m["demotions"] > 0 and m["host_evictions"] > 0, (t, m)
+        tiered.table(t).close()
+        ref.table(t).close()
