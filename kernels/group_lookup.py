@@ -32,7 +32,16 @@ kernels themselves. Evaluation: ``group_probe_kernel`` (one lane per id).
 Every launch has one program per block of ``n`` (the insert: one per lane):
 programs past the batch's uniques or buckets mask everything off.
 
-Why one file of some 600 lines: the three kernels and their host side share the
+Tables over lower tiers (``group_lookup_train_tiers_triton``, the ``TIER``
+variant of both kernels; ``tiered_lookup.py``): the batch's ids a lower tier
+holds are given per table (ascending ids), and each such unique competes as a
+stored id that outranks every unprotected entry (``KIND_PROMOTED``: value
+INT64_MAX, no admission), then keeps its own score (LFU: the batch's count plus
+the tier's score). No row is written: each winner's lane records the entry it
+evicted (id, score), so the caller moves the evicted rows out before it writes
+the promoted and new rows (the native kernel's ``TierPromotion``, bit for bit).
+
+Why one file of some 700 lines: the three kernels and their host side share the
 buffers and codes of one lookup (``KIND_*``, the per-unique arrays, the bucket
 order); split apart, a change to one buffer's meaning would span files.
 """
@@ -41,6 +50,8 @@ order); split apart, a change to one buffer's meaning would span files.
 # ruff: noqa: N803
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -58,6 +69,10 @@ KIND_COUNTED = 3  # waiting for admission, in the counter, not admitted yet
 KIND_ADMIT_HIT = 4  # was in the counter, admitted now: competes, leaves the counter
 KIND_WAIT_NEW = 5  # waiting, not in the counter: enters it, not admitted
 KIND_ADMIT_NEW = 6  # waiting, not in the counter, admitted at once: competes
+KIND_PROMOTED = 7  # held by a lower tier (TIER): competes above unprotected entries
+PROMOTED = tl.constexpr(KIND_PROMOTED)
+#: What a promoted id competes with: it outranks every unprotected entry.
+OUTRANKS = tl.constexpr(INT64_MAX)
 
 #: Columns of a group's ``metrics [T, >= 6]`` the lookups add to (``METRIC_NAMES``).
 HITS = tl.constexpr(METRIC_NAMES.index("hits"))
@@ -113,6 +128,22 @@ def _run_edge(table_ptr, ids_ptr, p, table, ids, active, n, STEP: tl.constexpr):
 
 
 @triton.jit
+def _lower_bound(values_ptr, lo, hi, x, active):
+    """The first position in ``[lo, hi)`` of the ascending ``values`` whose value is
+    ``>= x`` (``hi``: none), by bisection, lane by lane."""
+    left = lo
+    right = tl.where(active, hi, lo)
+    searching = left < right
+    while tl.max(searching.to(tl.int32), axis=0) > 0:
+        mid = left + (right - left) // 2
+        below = searching & (tl.load(values_ptr + mid, mask=searching, other=0) < x)
+        left = tl.where(below, mid + 1, left)
+        right = tl.where(searching & ~below, mid, right)
+        searching = left < right
+    return left
+
+
+@triton.jit
 def _add_per_table(column_ptr, stride, table, next_table, values, num_tables):
     """``column[table[k] * stride] += values[k]`` over a block's lanes (tables
     ``>= num_tables``: none), one atomic add per run of equal ``table`` in the block:
@@ -162,12 +193,17 @@ def group_find_kernel(
     u_count_ptr,
     u_counter_key_ptr,
     u_counter_slot_ptr,
+    promote_ids_ptr,
+    promote_scores_ptr,
+    promote_offsets_ptr,
+    u_final_ptr,
     metrics_ptr,
     metrics_stride,
     n,
     num_tables,
     HAS_CUSTOM: tl.constexpr,
     HAS_ADMISSION: tl.constexpr,
+    TIER: tl.constexpr,
     WAYS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -205,10 +241,26 @@ def group_find_kernel(
     old = tl.load(scores_ptr + slot, mask=hit, other=0)
     tl.store(scores_ptr + slot, tl.where(policy == 1, old + value, value), mask=hit)
     kind = tl.where(hit, 1, tl.where(valid, 2, 0))
+    promoted = valid & (p < 0)  # no lane (without TIER)
+    if TIER:
+        # Held by a lower tier (none of its ids is in memory): the table's promoted
+        # ids are ascending in ``[offsets[t], offsets[t + 1])``.
+        lo = tl.load(promote_offsets_ptr + t, mask=valid, other=0)
+        hi = tl.load(promote_offsets_ptr + t + 1, mask=valid, other=0)
+        at = _lower_bound(promote_ids_ptr, lo, hi, ids, valid & ~hit)
+        held = valid & ~hit & (at < hi)
+        promoted = held & (tl.load(promote_ids_ptr + at, mask=held, other=-1) == ids)
+        tier_score = tl.load(promote_scores_ptr + at, mask=promoted, other=0)
+        # The score it keeps: LFU adds the batch's count to the tier's; the others, the
+        # batch's value. It competes with INT64_MAX.
+        final = tl.where(promoted & (policy == 1), value + tier_score, value)
+        tl.store(u_final_ptr + p, final, mask=in_range)
+        value = tl.where(promoted, OUTRANKS, value)
+        kind = tl.where(promoted, PROMOTED, kind)
 
     if HAS_ADMISSION:
         threshold = tl.load(threshold_ptr + t)
-        waiting = valid & ~hit & (threshold > 1)
+        waiting = valid & ~hit & ~promoted & (threshold > 1)
         counter_buckets = tl.maximum(tl.load(counter_buckets_ptr + t), 1)
         c_bucket = tl.load(counter_offset_ptr + t) + index_bucket(ids, counter_buckets)
         c_row = c_bucket * WAYS
@@ -231,7 +283,7 @@ def group_find_kernel(
         tl.store(u_count_ptr + p, count, mask=in_range)
 
     # The index's segments: the bucket of every hit and candidate, its hits first.
-    member = (kind == 1) | (kind == 2) | (kind == 4) | (kind == 6)
+    member = (kind == 1) | (kind == 2) | (kind == 4) | (kind == 6) | (kind == PROMOTED)
     key = bucket * 2 + tl.where(kind == 1, 0, 1)
     tl.store(u_key_ptr + p, tl.where(member, key, NO_SEGMENT), mask=in_range)
     tl.store(u_slot_ptr + p, slot, mask=in_range)
@@ -269,6 +321,9 @@ def group_insert_kernel(
     u_count_ptr,
     u_counter_slot_ptr,
     u_slot_ptr,
+    u_final_ptr,
+    ev_id_ptr,
+    ev_score_ptr,
     metrics_ptr,
     metrics_stride,
     policy_ptr,
@@ -282,6 +337,7 @@ def group_insert_kernel(
     dim,
     state_dim,
     COUNTER: tl.constexpr,
+    TIER: tl.constexpr,
     WAYS: tl.constexpr,
     WINDOW: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -316,7 +372,7 @@ def group_insert_kernel(
             is_new = in_seg & ((kind == 5) | (kind == 6))
         else:
             is_hit = in_seg & (kind == 1)
-            is_new = in_seg & ((kind == 2) | (kind == 4) | (kind == 6))
+            is_new = in_seg & ((kind == 2) | (kind == 4) | (kind == 6) | (kind == PROMOTED))
         entry_id = tl.load(u_ids_ptr + u, mask=in_seg, other=-1)
         if COUNTER:  # the counter ranks by the table's clock (LRU)
             entry_value = tl.zeros([2 * WINDOW], dtype=tl.int64) + tl.load(step_ptr + table)
@@ -383,33 +439,49 @@ def group_insert_kernel(
                 tl.store(counts_ptr + c_slot, tl.zeros([2 * WINDOW], dtype=tl.int64), mask=leaving)
             else:
                 tl.store(keys_ptr + slot, cand_key, mask=won)
+                promoted = won & (kind == PROMOTED)
+                if TIER:  # a promoted id keeps its own score (it ranked by INT64_MAX)
+                    final = tl.load(u_final_ptr + u, mask=promoted, other=0)
+                    cand_score = tl.where(promoted, final, cand_score)
+                    # The entry each winner's way held, if it was evicted: the caller
+                    # moves its row out before the winner's row is written.
+                    took = takes & evicted[None, :]
+                    ev_key = tl.max(tl.where(took, stored_key[None, :], -1), axis=1)
+                    ev_score = tl.sum(tl.where(took, stored_score[None, :], 0), axis=1)
+                    tl.store(ev_id_ptr + u, ev_key, mask=won)
+                    tl.store(ev_score_ptr + u, ev_score, mask=won)
                 tl.store(scores_ptr + slot, cand_score, mask=won)
                 tl.store(u_slot_ptr + u, slot, mask=won)
-                # Counters: the winners were counted as insert failures by the find step.
-                inserts = tl.sum(won.to(tl.int64), axis=0)
+                # Counters: the winners were counted as insert failures by the find step;
+                # a promoted id is no insert (it was stored).
+                placed = tl.sum(won.to(tl.int64), axis=0)
+                inserts = placed - tl.sum(promoted.to(tl.int64), axis=0)
                 evictions = tl.sum(evicted.to(tl.int64), axis=0)
                 counters = metrics_ptr + table * metrics_stride
                 tl.atomic_add(counters + INSERTS, inserts, mask=inserts > 0, sem="relaxed")
-                tl.atomic_add(counters + FAILURES, -inserts, mask=inserts > 0, sem="relaxed")
+                tl.atomic_add(counters + FAILURES, -placed, mask=placed > 0, sem="relaxed")
                 tl.atomic_add(counters + EVICTIONS, evictions, mask=evictions > 0, sem="relaxed")
-                # New rows: initial values (a pure function of id, seed, column), zero state.
-                per_row = tl.zeros([2 * WINDOW], dtype=tl.int64) + table
-                seed = tl.load(seed_mix_ptr + per_row)
-                normal = tl.load(init_normal_ptr + per_row)
-                a = tl.load(init_a_ptr + per_row)
-                b = tl.load(init_b_ptr + per_row)
-                first_col = tl.load(init_col_ptr + per_row)
-                for d0 in range(0, dim, BLOCK_D):
-                    cols = d0 + tl.arange(0, BLOCK_D)
-                    mask = won[:, None] & (cols < dim)[None, :]
-                    rows = init_values_any(cand_key, cols, seed, normal, a, b, first_col)
-                    rows = round_to(rows, weights_ptr.dtype.element_ty)
-                    tl.store(weights_ptr + slot[:, None] * dim + cols[None, :], rows, mask=mask)
-                for d0 in range(0, state_dim, BLOCK_D):
-                    cols = d0 + tl.arange(0, BLOCK_D)
-                    mask = won[:, None] & (cols < state_dim)[None, :]
-                    zero = tl.zeros([2 * WINDOW, BLOCK_D], dtype=tl.float32)
-                    tl.store(state_ptr + slot[:, None] * state_dim + cols[None, :], zero, mask=mask)
+                if not TIER:  # (TIER: the caller writes them, after the evicted rows left)
+                    # New rows: initial values (a pure function of id, seed, column), zero state.
+                    per_row = tl.zeros([2 * WINDOW], dtype=tl.int64) + table
+                    seed = tl.load(seed_mix_ptr + per_row)
+                    normal = tl.load(init_normal_ptr + per_row)
+                    a = tl.load(init_a_ptr + per_row)
+                    b = tl.load(init_b_ptr + per_row)
+                    first_col = tl.load(init_col_ptr + per_row)
+                    for d0 in range(0, dim, BLOCK_D):
+                        cols = d0 + tl.arange(0, BLOCK_D)
+                        mask = won[:, None] & (cols < dim)[None, :]
+                        rows = init_values_any(cand_key, cols, seed, normal, a, b, first_col)
+                        rows = round_to(rows, weights_ptr.dtype.element_ty)
+                        tl.store(weights_ptr + slot[:, None] * dim + cols[None, :], rows, mask=mask)
+                    for d0 in range(0, state_dim, BLOCK_D):
+                        cols = d0 + tl.arange(0, BLOCK_D)
+                        mask = won[:, None] & (cols < state_dim)[None, :]
+                        zero = tl.zeros([2 * WINDOW, BLOCK_D], dtype=tl.float32)
+                        tl.store(
+                            state_ptr + slot[:, None] * state_dim + cols[None, :], zero, mask=mask
+                        )
 
 
 @triton.jit
@@ -451,6 +523,35 @@ def group_probe_kernel(
 
 
 # ----------------------------------------------------------------- launchers
+class TierPromotions(NamedTuple):
+    """The batch's ids the tables' lower tiers hold (none in memory): ``ids [P]`` and
+    their in-memory ``scores [P]``, table by table (table ``t``'s at
+    ``[offsets[t], offsets[t + 1])``, ascending ids), on the batch's device."""
+
+    ids: torch.Tensor
+    scores: torch.Tensor
+    offsets: torch.Tensor
+
+
+class TierLanes(NamedTuple):
+    """What ``group_lookup_train_tiers_triton`` did, lane by lane (lane ``p``: sorted
+    position ``p``, in (table, id) order; a unique's lane is the first of its run,
+    the others and the ids of no table of the group are idle: kind 0, slot -1).
+
+    ``lookup`` is the ``GroupLookup`` (lanes as uniques); ``ids`` the lanes' ids;
+    ``kind`` the ``KIND_*`` of each unique's lane; ``score`` the score a lane's id
+    keeps or would keep (read for those without a row); ``evicted_ids`` /
+    ``evicted_scores``: the entry a winner's way held before, evicted now (-1 /
+    unread where none), the winner's slot being the evicted row's."""
+
+    lookup: GroupLookup
+    ids: torch.Tensor
+    kind: torch.Tensor
+    score: torch.Tensor
+    evicted_ids: torch.Tensor
+    evicted_scores: torch.Tensor
+
+
 def group_lookup_train_triton(
     layout: GroupLayout,
     keys: torch.Tensor,
@@ -473,12 +574,50 @@ def group_lookup_train_triton(
     with no host sync. ``step [T]``: each table's clock for this batch (already
     advanced). The uniques it hands the backward are lanes: one per id in (table,
     id) order, slot -1 where a lane holds no unique."""
+    arrays = (keys, scores, weights, state, counter_keys, counter_scores, counts)
+    return _lookup_train(layout, arrays, ids, table_idx, step, metrics, custom_scores,
+                         use_custom, None).lookup  # fmt: skip
+
+
+def group_lookup_train_tiers_triton(
+    layout: GroupLayout,
+    arrays: tuple[torch.Tensor, ...],
+    ids: torch.Tensor,
+    table_idx: torch.Tensor,
+    step: torch.Tensor,
+    metrics: torch.Tensor,
+    custom_scores: torch.Tensor | None,
+    use_custom: torch.Tensor | None,
+    tier: TierPromotions,
+) -> TierLanes:
+    """``group_lookup_train_triton`` of tables over lower tiers (``arrays``: the
+    group's ``keys, scores, weights, state, counter_keys, counter_scores, counts``):
+    the ids of ``tier`` compete as promoted ones (module docstring); no row is
+    written. No host sync."""
+    return _lookup_train(
+        layout, arrays, ids, table_idx, step, metrics, custom_scores, use_custom, tier
+    )
+
+
+def _lookup_train(
+    layout: GroupLayout,
+    arrays: tuple[torch.Tensor, ...],
+    ids: torch.Tensor,
+    table_idx: torch.Tensor,
+    step: torch.Tensor,
+    metrics: torch.Tensor,
+    custom_scores: torch.Tensor | None,
+    use_custom: torch.Tensor | None,
+    tier: TierPromotions | None,
+) -> TierLanes:
+    keys, scores, weights, state, counter_keys, counter_scores, counts = arrays
     device = ids.device
     n = ids.numel()
     T = layout.num_tables
     i64 = dict(dtype=torch.int64, device=device)
     if n == 0:  # four tensors: a registered op's outputs may not share storage
-        return GroupLookup(*(torch.empty(0, **i64) for _ in range(4)))
+        empty = [torch.empty(0, **i64) for _ in range(9)]
+        return TierLanes(GroupLookup(*empty[:4]), *empty[4:])
     ids = ids.contiguous()
     dim = weights.shape[1]
     state_dim = state.shape[1]
@@ -507,6 +646,16 @@ def group_lookup_train_triton(
     lanes = torch.empty(6 if admission else 3, n, **i64).unbind(0)
     u_value, u_kind, u_key = lanes[:3]
     u_count, u_counter_key, u_counter_slot = lanes[3:] if admission else (u_key,) * 3
+    # Tier lanes (unused pointers without a tier: any int64 tensor of the batch).
+    u_final = ev_id = ev_score = u_key
+    promote = (sorted_ids, sorted_ids, layout.bucket_offset)
+    if tier is not None:
+        u_final, ev_score = torch.empty(n, **i64), torch.empty(n, **i64)
+        ev_id = torch.full((n,), -1, **i64)
+        if tier.ids.numel():  # why: no pointer to an empty tensor
+            promote = (tier.ids, tier.scores, tier.offsets)
+        else:
+            promote = (sorted_ids, sorted_ids, tier.offsets)
     group_find_kernel[(triton.cdiv(n, BLOCK_IDS),)](
         keys,
         scores,
@@ -533,12 +682,15 @@ def group_lookup_train_triton(
         u_count,
         u_counter_key,
         u_counter_slot,
+        *promote,
+        u_final,
         metrics,
         metrics.stride(0),
         n,
         T,
         HAS_CUSTOM=custom_scores is not None,
         HAS_ADMISSION=admission,
+        TIER=tier is not None,
         WAYS=keys.shape[1],
         BLOCK=BLOCK_IDS,
     )
@@ -567,6 +719,9 @@ def group_lookup_train_triton(
             u_count,
             u_counter_slot,
             u_slot,
+            u_final,
+            ev_id,
+            ev_score,
             metrics,
             metrics.stride(0),
             layout.policy,
@@ -580,6 +735,7 @@ def group_lookup_train_triton(
             dim,
             state_dim,
             COUNTER=counter,
+            TIER=tier is not None and not counter,
             WAYS=keys.shape[1],
             WINDOW=WINDOW,
             BLOCK_D=block_d,
@@ -589,7 +745,8 @@ def group_lookup_train_triton(
         insert(counter=True)
     insert(counter=False)
     slots = u_slot.index_select(0, unique_index)
-    return GroupLookup(slots, unique_index, u_slot, sorted_table)
+    lookup = GroupLookup(slots, unique_index, u_slot, sorted_table)
+    return TierLanes(lookup, sorted_ids, u_kind, u_final, ev_id, ev_score)
 
 
 def group_lookup_eval_triton(

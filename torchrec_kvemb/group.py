@@ -11,7 +11,8 @@ semantics do not change: buckets of two tables never mix.
 
 Tables with SSD tiers keep their own SSD stores (files, flushes, ``resume``)
 and share one scratch pad after the group's rows (``ssd/scratch.py``); their
-training lookup is one native pass for all of them (``tiered_lookup.py``).
+training lookup is one pass for all of them (``tiered_lookup.py``: the native
+kernel on the CPU, the Triton kernels on CUDA).
 
 A batch of the group is ``ids [n]`` with ``table_idx [n]`` (the table of each
 id; -1: not this group's) and is looked up in one call per step
@@ -272,7 +273,7 @@ class KVTableGroup:
         self.make_room(ids, table_idx)
         if self.per_table_only or self.backend(ids.device) == "torch":
             return self.lookup_train_per_table(ids, table_idx, custom_scores, custom_tables)
-        if self.pad is not None:  # tables with SSD tiers: one native pass (tiered_lookup)
+        if self.pad is not None:  # tables over tiers: one pass, native or Triton (tiered_lookup)
             if custom_scores is not None and custom_tables is None:
                 custom_tables = [True] * self.num_tables
             return lookup_train_tiers(
@@ -300,13 +301,12 @@ class KVTableGroup:
 
     def backend(self, device: torch.device) -> str:
         """What looks this group up on ``device``: ``backend.implementation``'s answer
-        (``"native"``, ``"triton"``: the registered ops; ``"torch"``: table by table);
-        tables with SSD tiers have no Triton path (``"torch"`` there), and a lone
-        table's group runs that table's own lookup (``KVTable.lookup_backend``)."""
+        (``"native"``, ``"triton"``: the group kernels, for tables over tiers too,
+        ``tiered_lookup``; ``"torch"``: table by table); a lone table's group runs that
+        table's own lookup (``KVTable.lookup_backend``)."""
         if self.per_table_only:
             return self.tables[0].lookup_backend(device)
-        impl = implementation(device)
-        return "torch" if self.pad is not None and impl == "triton" else impl
+        return implementation(device)
 
     def lookup_eval(self, ids: torch.Tensor, table_idx: torch.Tensor) -> torch.Tensor:
         """Global slots of an evaluation batch (read-only); -1 for ids not stored."""

@@ -308,7 +308,8 @@ class TieredKVTable(KVTable, serves_ssd=True):
     def lookup_backend(self, device: torch.device | str) -> str:
         """What runs this table's training lookup: the native kernel where
         ``backend.implementation`` says ``"native"`` (one pass over both tiers,
-        ``tiered_lookup``), else the torch path (no Triton path over an SSD tier)."""
+        ``tiered_lookup``), else the torch path (a lone table over tiers; a group of
+        them runs the Triton group kernels on CUDA: ``KVTableGroup.backend``)."""
         return "native" if implementation(device) == "native" else "torch"
 
     def _lookup_train_native(
@@ -631,11 +632,12 @@ class TieredKVTable(KVTable, serves_ssd=True):
         self._tier.reserve(n)
 
     def fetch_lower(
-        self, uniq: torch.Tensor, miss: torch.Tensor
+        self, uniq: torch.Tensor, miss: torch.Tensor, on_host: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The lower tier's rows of ``uniq[miss]`` (unique ids): ``(positions in uniq,
         tier slots, memory scores, rows [k, dim + state_dim])`` of those it holds
-        intact, on the table's device. They stay in the tier until ``tier.remove``."""
+        intact, on the table's device (``on_host``: scores and rows in host memory, for
+        a group's one copy up). They stay in the tier until ``tier.remove``."""
         miss_ids = uniq[miss].cpu()
         ssd_slots = self._tier.lookup(miss_ids)
         held = (ssd_slots >= 0).nonzero().squeeze(1)
@@ -643,6 +645,8 @@ class TieredKVTable(KVTable, serves_ssd=True):
         if not bool(ok.all()):
             held, scores, rows = held[ok], scores[ok], rows[ok]
         found = miss[held.to(miss.device)]
+        if on_host:
+            return found, ssd_slots[held], scores, rows
         # A host tier under a CUDA table gathers into pinned memory: the copies to the
         # device run on the transfers' side stream without a pageable bounce buffer.
         return found, ssd_slots[held], upload(scores, self.device), upload(rows, self.device)

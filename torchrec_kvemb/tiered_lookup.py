@@ -1,4 +1,4 @@
-"""The native training lookup of tables over SSD tiers: one pass for all of them.
+"""The training lookup of tables over lower tiers: one kernel pass for all of them.
 
 A table with an SSD tier (``TieredKVTable``) alone, or a group of them sharing
 arrays (``KVTableGroup`` of tiered tables), is looked up by one call of the
@@ -9,7 +9,9 @@ native group kernel per step, whatever the number of tables:
    (``reserve_batch``); then every table's step clock advances
    (``KVTable.advance_step``);
 2. one ``native.lookup_train_group`` with those ids as promotions
-   (``native.TierPromotion``, table by table): it writes no row;
+   (``native.TierPromotion``, table by table), or on the Triton backend (CUDA)
+   the group kernels' ``TIER`` variant (``tiered_triton``, the same outcome):
+   it writes no row;
 3. the transfers, one per direction for the group (``transfers.py``): the rows
    evicted from memory, of every table, leave by one gather of the group's
    arrays (``gather_down``), the promoted rows of every table go up as one
@@ -22,9 +24,10 @@ native group kernel per step, whatever the number of tables:
 
 Only public methods of the tables and of their tiers (``tier.LowerTier``) are
 used: the tables are ``TieredKVTable``s (typed by their base, ``KVTable``:
-``tiered`` imports this module). The kernel runs on the CPU: the transfers'
-copies are no-ops here (on CUDA, the tables' own lookups use the same
-``transfers`` functions, table by table).
+``tiered`` imports this module). The native kernel runs on the CPU, where the
+transfers' copies are no-ops; on CUDA the rows go down and up on the side
+stream (``transfers``), one copy each way for the group, and the tier threads
+below touch host memory only (the batch's probes run on the calling thread).
 
 The per-table steps are batched calls on each table's SSD store (each table
 keeps its own files), run for two tables at once on threads (``TIER_THREADS``);
@@ -49,6 +52,7 @@ from typing import TypeVar
 import torch
 
 from torchrec_kvemb import dispatch
+from torchrec_kvemb.backend import implementation
 from torchrec_kvemb.contracts import (
     KERNEL_METRICS,
     METRIC_NAMES,
@@ -59,19 +63,29 @@ from torchrec_kvemb.contracts import (
 from torchrec_kvemb.library.group_ops import workspace
 from torchrec_kvemb.ops import native
 from torchrec_kvemb.table import KVTable
+from torchrec_kvemb.tiered_triton import lookup_train_triton, rows_up
 from torchrec_kvemb.transfers import gather_down, scatter_up
 
 _T = TypeVar("_T")
 
 
-class _Fetched:
-    """What one table's SSD tier holds of the batch's ids not in memory."""
+def _missed(table: KVTable, ids: torch.Tensor) -> torch.Tensor:
+    """The unique ``ids`` not in ``table``'s memory rows."""
+    return torch.unique(ids[dispatch.probe(table.index.keys, ids) < 0])
 
-    def __init__(self, table: KVTable, ids: torch.Tensor) -> None:
-        stored = dispatch.probe(table.index.keys, ids) >= 0
-        miss_ids = torch.unique(ids[~stored])
+
+class _Fetched:
+    """What one table's SSD tier holds of the batch's ids not in memory (tier slots,
+    scores and rows in host memory; ids on the batch's device, or in host memory
+    where they were given as ``missed``)."""
+
+    def __init__(self, table: KVTable, ids: torch.Tensor, missed: bool = False) -> None:
+        """``missed``: ``ids`` are the batch's unique ids not in memory already."""
+        miss_ids = ids
+        if not missed:
+            miss_ids = _missed(table, ids)
         found, self.ssd_slots, self.scores, self.rows = table.fetch_lower(
-            miss_ids, torch.arange(miss_ids.numel())
+            miss_ids, torch.arange(miss_ids.numel(), device=miss_ids.device), on_host=True
         )
         self.ids = miss_ids[found]  # ascending, as the kernel wants them
         self.misses = miss_ids.numel()
@@ -87,12 +101,19 @@ _POOL: tuple[int, ThreadPoolExecutor] | None = None
 TIER_THREADS = 2
 
 
+def _threads() -> bool:
+    """Whether the tables' tier work may run on threads: with more than one torch
+    thread, unless the host tiers' own ops run in Triton's interpreter (forced on
+    CPU tensors: it is not thread-safe)."""
+    return torch.get_num_threads() > 1 and implementation("cpu") != "triton"
+
+
 def _per_table(work: Callable[[int], _T], num_tables: int) -> list[_T]:
     """``[work(t) for t in range(num_tables)]``, tables on threads (each table's SSD
     store is its own; the native record reads and writes and most torch ops run
     without the GIL). An error of one table is raised once every table is done."""
     global _POOL
-    if num_tables == 1 or torch.get_num_threads() == 1:
+    if num_tables == 1 or not _threads():
         return [work(t) for t in range(num_tables)]
     if _POOL is None or _POOL[0] != os.getpid():
         _POOL = (os.getpid(), ThreadPoolExecutor(TIER_THREADS, thread_name_prefix="kvemb-tier"))
@@ -107,7 +128,7 @@ def _beside(work: Callable[[int], None], num_tables: int) -> Callable[[], None]:
     table's host-tier work beside the calling thread's took 12.4 against 12.2 ms
     a step inline, ``benchmarks.host_tier`` sizes, 2 threads); the callable
     returned waits for them and raises the first error."""
-    if num_tables == 1 or torch.get_num_threads() == 1:
+    if num_tables == 1 or not _threads():
         for t in range(num_tables):
             work(t)
         return lambda: None
@@ -124,35 +145,18 @@ def _beside(work: Callable[[int], None], num_tables: int) -> Callable[[], None]:
     return done
 
 
-def lookup_train_tiers(
-    tables: Sequence[KVTable],
+def _native_pass(
     layout: GroupLayout,
     storage: TableStorage,
-    row_offsets: Sequence[int],
     ids: torch.Tensor,
     table_idx: torch.Tensor,
+    steps: torch.Tensor,
     custom_scores: torch.Tensor | None,
     custom_tables: Sequence[bool] | None,
-    steps: torch.Tensor,
-) -> GroupLookup:
-    """``lookup_train`` of ``tables`` (``TieredKVTable``s, sharing ``storage``: table
-    ``t``'s rows from ``row_offsets[t]`` on) for ``ids`` with ``table_idx`` (-1: not
-    theirs), by the native kernel (see the module docstring). Every table has
-    written its scratch rows back and the pad has begun the batch. ``steps [T]``:
-    the tables' step clocks (a row of ``KVTableGroup.clocks``, or a lone table's
-    ``clock[0:1]``: views of each table's ``clock``), which each table advances
-    once the disk has room. Returns global slots and each id's unique row."""
-    T = len(tables)
-    ids = ids.contiguous()
-
-    def fetch(t: int) -> _Fetched:
-        fetched = _Fetched(tables[t], ids[table_idx == t] if T > 1 else ids)
-        tables[t].reserve_batch(fetched.misses)  # every eviction makes room for a missed id
-        return fetched
-
-    fetched = _per_table(fetch, T)
-    for table in tables:  # ``steps`` is their clocks' step row: the kernel reads it
-        table.advance_step()
+    fetched: Sequence[_Fetched],
+) -> native.TrainLookup:
+    """The native kernel's pass (CPU tensors): the promotions as a ``TierPromotion``."""
+    T = len(fetched)
     counter = None
     if layout.has_admission:
         counter = native.CounterIndex(storage.counter_keys, storage.counter_scores, storage.counts)
@@ -161,7 +165,7 @@ def lookup_train_tiers(
     if T > 1:
         promote_offsets = torch.zeros(T + 1, dtype=torch.int64)
         promote_offsets[1:] = torch.tensor([f.ids.numel() for f in fetched]).cumsum(0)
-    out = native.lookup_train_group(
+    return native.lookup_train_group(
         layout,
         storage.keys,
         storage.scores,
@@ -180,6 +184,55 @@ def lookup_train_tiers(
             promote_offsets,
         ),
     )
+
+
+def lookup_train_tiers(
+    tables: Sequence[KVTable],
+    layout: GroupLayout,
+    storage: TableStorage,
+    row_offsets: Sequence[int],
+    ids: torch.Tensor,
+    table_idx: torch.Tensor,
+    custom_scores: torch.Tensor | None,
+    custom_tables: Sequence[bool] | None,
+    steps: torch.Tensor,
+) -> GroupLookup:
+    """``lookup_train`` of ``tables`` (``TieredKVTable``s, sharing ``storage``: table
+    ``t``'s rows from ``row_offsets[t]`` on) for ``ids`` with ``table_idx`` (-1: not
+    theirs), by the native kernel on CPU tensors, the Triton kernels where
+    ``backend.implementation`` says so (see the module docstring). Every table has
+    written its scratch rows back and the pad has begun the batch. ``steps [T]``:
+    the tables' step clocks (a row of ``KVTableGroup.clocks``, or a lone table's
+    ``clock[0:1]``: views of each table's ``clock``), which each table advances
+    once the disk has room. Returns global slots and each id's unique row."""
+    T = len(tables)
+    ids = ids.contiguous()
+    device = ids.device
+    triton = implementation(device) == "triton"
+    missed = None  # the Triton path: each table's missed ids, probed on this thread
+    if triton:  # (device work stays on the calling thread, its stream: the threads' is host)
+        missed = [_missed(tables[t], ids[table_idx == t] if T > 1 else ids).cpu() for t in range(T)]
+
+    def fetch(t: int) -> _Fetched:
+        if missed is not None:
+            fetched = _Fetched(tables[t], missed[t], missed=True)
+        else:
+            fetched = _Fetched(tables[t], ids[table_idx == t] if T > 1 else ids)
+        tables[t].reserve_batch(fetched.misses)  # every eviction makes room for a missed id
+        return fetched
+
+    fetched = _per_table(fetch, T)
+    for table in tables:  # ``steps`` is their clocks' step row: the kernel reads it
+        table.advance_step()
+    if triton:
+        out = lookup_train_triton(
+            layout, storage, ids, table_idx, steps, custom_scores, custom_tables,
+            [f.ids for f in fetched], [f.scores for f in fetched],
+        )  # fmt: skip
+    else:
+        out = _native_pass(
+            layout, storage, ids, table_idx, steps, custom_scores, custom_tables, fetched
+        )
     flags = out.unique_flags
     unique_index = out.unique_index
     metrics = out.metrics.tolist()
@@ -187,19 +240,21 @@ def lookup_train_tiers(
     new = (flags & native.UNIQUE_INSERTED) != 0
     no_room = (flags & native.UNIQUE_NO_ROOM) != 0
     owner = out.unique_table
-    ev_owner = None  # the table of each evicted row (a group of one: all its own)
-    if T > 1:
-        starts = torch.tensor(list(row_offsets[1:]), dtype=torch.int64)
-        ev_owner = torch.searchsorted(starts, out.evicted_slots, right=True)
     # Down: every table's evicted rows leave by one gather of the group's arrays,
     # before any of their slots is refilled (promoted and new rows).
     down = None
     if out.evicted_slots.numel():
         down = gather_down(storage.weights, storage.state, out.evicted_slots)
+    # What the tiers take of the evictions, in host memory (no copies on the CPU).
+    ev_ids, ev_scores = out.evicted_ids.cpu(), out.evicted_scores.cpu()
+    ev_owner = None  # the table of each evicted row (a group of one: all its own)
+    if T > 1:
+        starts = torch.tensor(list(row_offsets[1:]), dtype=torch.int64)
+        ev_owner = torch.searchsorted(starts, out.evicted_slots.cpu(), right=True)
     # Up: the promoted uniques in (table, id) order are the rows of ``up_rows`` (the
-    # tiers' rows, table by table, ascending ids); those with a memory slot go up
-    # in one scatter, the others (no room) to scratch rows.
-    up_rows = fetched[0].rows if T == 1 else torch.cat([f.rows for f in fetched])
+    # tiers' rows, table by table, ascending ids: one copy up); those with a memory
+    # slot go up in one scatter, the others (no room) to scratch rows.
+    up_rows = rows_up([f.rows for f in fetched], device)
     prom = from_ssd.nonzero().squeeze(1)
     if prom.numel() != up_rows.shape[0]:
         raise RuntimeError(
@@ -212,8 +267,8 @@ def lookup_train_tiers(
         prom = prom[torch.sort(out.unique_ids[prom], stable=True).indices]
         if T > 1:
             prom = prom[torch.sort(owner[prom], stable=True).indices]
-        row_of = torch.full((flags.numel(),), -1, dtype=torch.int64)
-        row_of[prom] = torch.arange(prom.numel())
+        row_of = torch.full((flags.numel(),), -1, dtype=torch.int64, device=device)
+        row_of[prom] = torch.arange(prom.numel(), device=device)
         up_slots = out.unique_slots[prom]
         moved = up_slots >= 0
         up = (up_slots, up_rows)
@@ -245,7 +300,7 @@ def lookup_train_tiers(
         table.tier.remove(f.ssd_slots)  # every promotion leaves the tier: memory or scratch
         if down_rows is not None:
             gone = (ev_owner == t).nonzero().squeeze(1) if ev_owner is not None else slice(None)
-            table.demote_rows(out.evicted_ids[gone], out.evicted_scores[gone], down_rows[gone])
+            table.demote_rows(ev_ids[gone], ev_scores[gone], down_rows[gone])
 
     def in_memory(t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Table ``t``'s new rows (the group's arrays only); its ids without a memory
@@ -259,7 +314,7 @@ def lookup_train_tiers(
             return None
         pad = pad[torch.argsort(out.unique_ids[pad])]  # a pad share holds its ids sorted
         pad_ids = out.unique_ids[pad]
-        state = torch.zeros(pad.numel(), table.state_dim)
+        state = torch.zeros(pad.numel(), table.state_dim, device=device)
         pad_rows = torch.cat([table.initial_rows(pad_ids), state], dim=1)
         back = from_ssd[pad].nonzero().squeeze(1)
         if back.numel():

@@ -3,7 +3,8 @@
 ``record``: drive the kernels through the public API (KV EBCs training and
 evaluating with each optimizer, decay mode, clipping, pooling, weighting and
 eviction policy, admission and custom scores; ``KVTable`` on its own: find,
-insert, checkpoint-style loads, a table with an SSD tier; and
+insert, checkpoint-style loads, a table with an SSD tier; a group of tables
+over host tiers; and
 ``block_bucketize_2d`` with each option) in Triton's interpreter on CPU
 tensors, recording each launch: the kernel, its argument types and its
 constexpr values; print them as JSON.
@@ -234,6 +235,35 @@ def drive_tables() -> None:
         ebc.table("ssd").close()
 
 
+def drive_tiered_group() -> None:
+    """A group of two tables over host tiers (one with admission, one LFU): the
+    group kernels' ``TIER`` variant (``tiered_lookup``), as CUDA runs it."""
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    from torchrec_kvemb import (
+        EvictionPolicy,
+        HostTierOptions,
+        KVEmbeddingBagCollection,
+        KVTableOptions,
+    )
+
+    gen = torch.Generator().manual_seed(11)
+    configs = [
+        EmbeddingBagConfig(
+            name=name, embedding_dim=4, num_embeddings=2**63 - 1, feature_names=[name]
+        )
+        for name in ("p", "q")
+    ]
+    host = HostTierOptions()
+    options = {
+        "p": KVTableOptions(capacity=16, host_tier=host, admission_threshold=2),
+        "q": KVTableOptions(capacity=16, host_tier=host, eviction=EvictionPolicy.LFU),
+    }
+    ebc = KVEmbeddingBagCollection(configs, options)
+    for _ in range(3):
+        ebc(_kjt(["p", "q"], 9, False, gen)).values().sum().backward()
+
+
 def drive_bucketize() -> None:
     from torchrec_kvemb.dispatch import block_bucketize_2d
 
@@ -294,6 +324,7 @@ def main() -> None:
         install_recorder()
         drive_ebc()
         drive_tables()
+        drive_tiered_group()
         drive_bucketize()
         launches = [
             {

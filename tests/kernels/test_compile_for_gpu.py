@@ -5,7 +5,8 @@ compiler does. So the launches of KV EBCs training and evaluating (the group
 kernels: every optimizer, decay mode, clipping, pooling, weighting and
 eviction policy, admission, custom scores, dims over one column block), of
 ``KVTable`` on its own (the per-table probe and find-or-insert: ``find``,
-``insert``, checkpoint-style loads, a table with an SSD tier) and of
+``insert``, checkpoint-style loads, a table with an SSD tier), of a group of
+tables over host tiers and of
 ``block_bucketize_2d`` (every option) are recorded in the interpreter, and each
 variant (argument types and constexpr values) is compiled by Triton's real
 compiler down to a cubin for sm_90, in a fresh process. No GPU is needed to
@@ -91,7 +92,9 @@ def test_every_kernel_is_launched(launches: list[dict]) -> None:
 VARIANTS = {
     ("group_find_kernel", "HAS_CUSTOM"): {False, True},
     ("group_find_kernel", "HAS_ADMISSION"): {False, True},
+    ("group_find_kernel", "TIER"): {False, True},  # a group over lower tiers
     ("group_insert_kernel", "COUNTER"): {False, True},
+    ("group_insert_kernel", "TIER"): {False, True},
     ("group_pooled_fwd_kernel", "HAS_SCALE"): {False, True},
     ("group_pooled_fwd_kernel", "MISSING_AS_ZERO"): {False, True},
     ("group_fused_bwd_kernel", "KIND"): {0, 1, 2},  # SGD, row-wise Adagrad, Adam
