@@ -212,11 +212,12 @@ bool cpu_has_fma() {
 }
 
 // Float16 sums by F16C; weighted ones with FMA too.
-__attribute__((target("avx,f16c"), flatten)) void sum_bags_f16c(const Sums& s, int64_t b0, int64_t b1) {
+__attribute__((target("avx,f16c"), flatten)) void sum_bags_f16c(const Sums& s, int64_t b0,
+                                                               int64_t b1) {
   sum_bags_any<Float16F16CRows, false>(s, b0, b1);
 }
 __attribute__((target("avx,f16c,fma"), flatten)) void sum_bags_f16c_fma(const Sums& s, int64_t b0,
-                                                              int64_t b1) {
+                                                                        int64_t b1) {
   sum_bags_any<Float16F16CRows, true>(s, b0, b1);
 }
 #endif
