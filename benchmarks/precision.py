@@ -14,6 +14,13 @@ Run from the repository root::
 
     python -m benchmarks.precision            # about 2 min on 2 cores
     python -m benchmarks.precision --quick    # smoke-test sizes
+    python -m benchmarks.precision --kernels  # the native kernels alone (below)
+
+``--kernels``: the native pooled forward and fused backward alone on one group
+of ``tables x rows`` rows of each dtype (the same Zipf ids as slots, bags of
+``bag`` ids, row-wise Adagrad), float16 also with its F16C conversions turned
+off (``native_lib.set_f16c``), taking turns; ms per call and the ratio over
+float32.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 from benchmarks.common import (
+    ZipfIds,
     add_config_flags,
     config_from_args,
     format_ratio,
@@ -37,7 +45,9 @@ from benchmarks.common import (
     time_interleaved,
 )
 from benchmarks.ebc_train import QUICK, BenchConfig, kv_train, make_batches, table_configs
-from torchrec_kvemb import KVEmbeddingBagCollection, KVTableOptions
+from torchrec_kvemb import KVEmbeddingBagCollection, KVTableOptions, native_lib
+from torchrec_kvemb.ops import native
+from torchrec_kvemb.optimizer import FusedOptimConfig, OptimKind
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -97,6 +107,62 @@ def run(config: BenchConfig) -> PrecisionResult:
         torch.set_num_threads(previous)
 
 
+KERNEL_ROWS = (*DTYPES, "float16, no F16C")
+
+
+def kernels(config: BenchConfig) -> dict[str, dict[str, float]]:
+    """Median ms per call of the native pooled forward and fused backward, by
+    ``KERNEL_ROWS`` entry (see the module's docstring)."""
+    c = config
+    previous = set_threads(c.threads)
+    try:
+        rows = c.tables * c.rows
+        order = torch.randperm(rows, generator=torch.Generator().manual_seed(c.seed))
+        slots = order[
+            torch.cat([ZipfIds(c.rows, c.alpha, c.seed + t).sample(c.batch * c.bag) + t * c.rows
+                       for t in range(c.tables)])
+        ]  # fmt: skip
+        offsets = torch.arange(0, slots.numel() + 1, c.bag)
+        unique_slots, unique_index = torch.unique(slots, return_inverse=True)
+        unique_table = torch.div(unique_slots, c.rows, rounding_mode="floor")
+        wide = torch.rand(rows, c.dim, generator=torch.Generator().manual_seed(c.seed)) - 0.5
+        weights = {name: wide.to(DTYPES.get(name, torch.float16)) for name in KERNEL_ROWS}
+        state = torch.zeros(rows, 1)
+        grad = torch.randn(c.tables * c.batch, c.dim) * 1e-3
+        optim = FusedOptimConfig(kind=OptimKind.ROWWISE_ADAGRAD, eps=c.eps)
+        workspace = native_lib.Workspace()
+        lib = native_lib.library()
+
+        def forward(w: torch.Tensor) -> None:
+            native.pooled_forward(w, slots, offsets)
+
+        def backward(w: torch.Tensor) -> None:
+            native.fused_backward_group(
+                w, state, grad, offsets, unique_index, unique_slots, unique_table, optim,
+                [c.learning_rate] * c.tables, [1] * c.tables, workspace=workspace,
+            )  # fmt: skip
+
+        def call(op, name: str):
+            def step(i: int) -> None:
+                native_lib.set_f16c(name != "float16, no F16C", lib)
+                try:
+                    op(weights[name])
+                finally:
+                    native_lib.set_f16c(True, lib)
+
+            return step
+
+        out = {}
+        for op_name, op in (("pooled forward", forward), ("backward", backward)):
+            timings = time_interleaved(
+                {name: call(op, name) for name in KERNEL_ROWS}, c.steps, c.repeats, c.warmup
+            )
+            out[op_name] = {name: 1e3 * t.median_s for name, t in timings.items()}
+        return out
+    finally:
+        torch.set_num_threads(previous)
+
+
 HEADERS = ("rows", "train ms/step", "M ids/s", "vs float32", "bytes/row")
 
 
@@ -113,12 +179,24 @@ def rows(result: PrecisionResult) -> list[tuple]:
     ]
 
 
-def main(argv: Sequence[str] | None = None) -> PrecisionResult:
+def main(argv: Sequence[str] | None = None) -> PrecisionResult | None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    parser.add_argument("--kernels", action="store_true", help="the native kernels alone")
     names = add_config_flags(parser, BenchConfig, skip=("spread",))
     args = parser.parse_args(argv)
     config = config_from_args(args, QUICK if args.quick else BenchConfig(), names)
+    if args.kernels:
+        load = load_average()
+        ms = kernels(config)
+        print(f"{machine_line((load, load_average()))}\n")
+        table = [
+            (op, name, f"{ms[op][name]:.2f}", format_ratio(ms[op]["float32"] / ms[op][name]))
+            for op in ms
+            for name in KERNEL_ROWS
+        ]
+        print(format_table(("kernel", "rows", "ms/call", "vs float32"), table))
+        return None
     result = run(config)
     c = result.config
     print(

@@ -43,23 +43,6 @@ inline void prefetch_bytes(const void* p, int64_t bytes, bool write) {
 
 int64_t element_bytes(int64_t dtype) { return dtype == KV_ROWS_FLOAT32 ? 4 : 2; }
 
-// A half-precision row to float32 (exact), and back rounded to nearest even.
-void read_row(int64_t dtype, const uint16_t* row, float* out, int64_t dim) {
-  if (dtype == KV_ROWS_FLOAT16) {
-    for (int64_t d = 0; d < dim; ++d) out[d] = half_bits_to_float(row[d]);
-  } else {
-    for (int64_t d = 0; d < dim; ++d) out[d] = bfloat16_bits_to_float(row[d]);
-  }
-}
-
-void write_row(int64_t dtype, const float* values, uint16_t* row, int64_t dim) {
-  if (dtype == KV_ROWS_FLOAT16) {
-    for (int64_t d = 0; d < dim; ++d) row[d] = float_to_half_bits(values[d]);
-  } else {
-    for (int64_t d = 0; d < dim; ++d) row[d] = float_to_bfloat16_bits(values[d]);
-  }
-}
-
 struct Optimizer {
   int64_t kind;
   float eps, beta1, one_minus_beta1, beta2, one_minus_beta2, decay, max_gradient;
@@ -168,6 +151,9 @@ int backward(const KvBackwardArgs& a, Arena& arena) {
   const Optimizer optim(a);
   const int64_t dtype = a.weights_dtype;
   const bool half = dtype != KV_ROWS_FLOAT32;
+  // A half-precision row to float32 (exact), and back rounded to nearest even.
+  const ReadHalfRow read_row = half_row_reader(dtype);
+  const WriteHalfRow write_row = half_row_writer(dtype);
   char* const weights = static_cast<char*>(a.weights);
   const int64_t weight_bytes = dim * element_bytes(dtype);
   const int64_t tasks = (U + kUniquesPerTask - 1) / kUniquesPerTask;
@@ -209,10 +195,10 @@ int backward(const KvBackwardArgs& a, Arena& arena) {
       const int64_t t = a.unique_table[u];
       char* const row = weights + slot * weight_bytes;
       float* const w = half ? half_row.data() : reinterpret_cast<float*>(row);
-      if (half) read_row(dtype, reinterpret_cast<const uint16_t*>(row), w, dim);
+      if (half) read_row(reinterpret_cast<const uint16_t*>(row), w, dim);
       optim.step(w, a.state + slot * a.state_dim, grad.data(), dim, a.learning_rate[t],
                  a.optim_step[t]);
-      if (half) write_row(dtype, w, reinterpret_cast<uint16_t*>(row), dim);
+      if (half) write_row(w, reinterpret_cast<uint16_t*>(row), dim);
     }
   });
   return ok ? KV_OK : KV_OUT_OF_MEMORY;

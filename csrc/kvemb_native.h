@@ -17,7 +17,7 @@ extern "C" {
 
 // Bump on any change of a signature or struct below; native.py refuses a
 // library whose version differs (a stale build).
-#define KV_ABI_VERSION 9
+#define KV_ABI_VERSION 10
 
 enum KvStatus {
   KV_OK = 0,
@@ -65,6 +65,11 @@ int kv_pool_selftest(int64_t tasks, int64_t num_threads, int64_t failing_task, i
 int kv_cpu_has_avx2(void);
 int kv_build_has_avx2(void);
 
+// Float16 rows are converted by F16C instructions where the CPU has them
+// (row_dtype.h), by integer code elsewhere: the same bits. enable 0 turns F16C
+// off for the whole process, 1 back on; returns 1 if F16C is used after the call.
+int kv_set_f16c(int64_t enable);
+
 // Scratch memory an op may reuse across calls (see workspace.h); optional
 // (null: the call allocates its own). One call at a time uses it; a call
 // that finds it in use allocates its own.
@@ -88,13 +93,20 @@ int kv_lookup_eval_group(const int64_t* keys, int64_t num_buckets_total,
                          int64_t num_tables, const int64_t* ids, const int64_t* table_idx,
                          int64_t n, int64_t num_threads, int64_t* slots, int64_t* hits);
 
+// Row dtypes (KvTrainArgs, KvBackwardArgs, KvPooledArgs .weights_dtype).
+enum KvRowDtype { KV_ROWS_FLOAT32 = 0, KV_ROWS_FLOAT16 = 1, KV_ROWS_BFLOAT16 = 2 };
+
 // Training lookup of a group (KVTable.lookup_train for T memory-only tables).
 typedef struct KvTrainArgs {
   // Group index and rows, updated in place.
   int64_t* keys;    // [NB, 16], -1: empty way
   int64_t* scores;  // [NB, 16]
   int64_t num_buckets_total;
-  float* weights;  // [NB * 16, dim], or null: new rows' weights are the caller's to write
+  // [NB * 16, dim] of weights_dtype (KvRowDtype), or null: new rows' weights are the
+  // caller's to write. New uniform rows of half-precision tables are drawn in
+  // float32 and stored rounded to nearest even (row_dtype.h), as torch's `.to()`.
+  void* weights;
+  int64_t weights_dtype;
   int64_t dim;
   float* state;  // [NB * 16, state_dim]
   int64_t state_dim;
@@ -163,9 +175,6 @@ enum KvUniqueFlag {
 };
 
 int kv_lookup_train_group(const KvTrainArgs* args);
-
-// Row dtypes of KvBackwardArgs.weights_dtype.
-enum KvRowDtype { KV_ROWS_FLOAT32 = 0, KV_ROWS_FLOAT16 = 1, KV_ROWS_BFLOAT16 = 2 };
 
 // Gradient reduction over a training lookup's unique rows, then one
 // optimizer step per row, in place. Half-precision rows are read to float32,

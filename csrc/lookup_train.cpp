@@ -23,6 +23,7 @@
 #include "hashing.h"
 #include "kvemb_native.h"
 #include "parallel.h"
+#include "row_dtype.h"
 #include "workspace.h"
 
 namespace kvemb {
@@ -91,24 +92,37 @@ struct Worker {
   std::vector<std::pair<int64_t, int64_t>> misses;  // (id, position in the order)
   std::vector<NewId> new_ids;
   std::vector<int> way_of;  // counter phase: per waiting id, see count_bucket
-  std::vector<float> row;   // a new row before it is streamed out
+  std::vector<float> row;   // a new row as drawn (float32)
+  std::vector<uint16_t> half_row;  // ... in a half-precision row dtype, before it is streamed out
   Placement placement;
   std::vector<int64_t> metrics;  // [T, KV_NUM_METRICS]
 };
 
 #if defined(__SSE2__)
 constexpr bool kStreamRows = true;
-// dst (16-byte aligned) = src, n a multiple of 4, by non-temporal stores.
-inline void stream_row(float* dst, const float* src, int64_t n) {
-  for (int64_t j = 0; j < n; j += 4) _mm_stream_ps(dst + j, _mm_loadu_ps(src + j));
+// dst (16-byte aligned) = src, bytes a multiple of 16, by non-temporal stores.
+inline void stream_row(void* dst, const void* src, int64_t bytes) {
+  auto* d = static_cast<__m128i*>(dst);
+  const auto* s = static_cast<const __m128i*>(src);
+  for (int64_t j = 0; j < bytes / 16; ++j) _mm_stream_si128(d + j, _mm_loadu_si128(s + j));
 }
 // Orders the non-temporal stores before whatever the caller does next.
 inline void stream_fence() { _mm_sfence(); }
 #else
 constexpr bool kStreamRows = false;
-inline void stream_row(float*, const float*, int64_t) {}
+inline void stream_row(void*, const void*, int64_t) {}
 inline void stream_fence() {}
 #endif
+
+// A new row drawn in float32 (row), stored in the rows' dtype at dst: float32
+// as drawn, float16 / bfloat16 rounded to nearest even (row_dtype.h).
+inline void store_row(int64_t dtype, const float* row, void* dst, int64_t dim) {
+  if (dtype == KV_ROWS_FLOAT32) {
+    std::memcpy(dst, row, sizeof(float) * static_cast<size_t>(dim));
+  } else {
+    half_row_writer(dtype)(row, static_cast<uint16_t*>(dst), dim);
+  }
+}
 
 // Wrapping add, as torch's int64 index_add_ (LFU counts never get there).
 inline int64_t wrap_add(int64_t a, int64_t b) {
@@ -519,27 +533,31 @@ class TrainLookup {
   }
 
   // New rows of the uniques [u0, u1) inserted in this call: initial weights
-  // (uniform tables; none without a float32 weights array, whose caller writes
-  // them) and zero state. A pass of its own, after the part's
-  // buckets are settled (why: written right at insert time, each row's
-  // cache misses stalled the insert; here rows are prefetched a few ahead).
+  // (uniform tables; none without a weights array, whose caller writes them),
+  // drawn in float32 and stored in the rows' dtype, and zero state. A pass of
+  // its own, after the part's buckets are settled (why: written right at
+  // insert time, each row's cache misses stalled the insert; here rows are
+  // prefetched a few ahead).
   void write_new_rows(int64_t u0, int64_t u1, Worker& w) {
-    const int64_t dim = a_.dim, state_dim = a_.state_dim;
+    const int64_t dim = a_.dim, state_dim = a_.state_dim, dtype = a_.weights_dtype;
     if (!a_.weights && !a_.state) return;  // the caller writes every row
+    char* const weights = static_cast<char*>(a_.weights);
+    const int64_t row_bytes = dim * (dtype == KV_ROWS_FLOAT32 ? 4 : 2);
     // Rows of whole 16-byte blocks are computed in a scratch row and stored
     // around the cache (why: each row's lines were read for ownership only to
     // be overwritten; 327k ids uniform over 100M, nearly all new, took 15-23 %
     // less time streamed, one thread, 4 tables of 1M rows x 64).
-    const bool stream = kStreamRows && a_.weights && dim % 4 == 0 &&
-                        reinterpret_cast<uintptr_t>(a_.weights) % 16 == 0;
-    if (stream) w.row.resize(static_cast<size_t>(dim));
+    const bool stream = kStreamRows && weights && row_bytes % 16 == 0 &&
+                        reinterpret_cast<uintptr_t>(weights) % 16 == 0;
+    if (weights) w.row.resize(static_cast<size_t>(dim));
+    if (weights && dtype != KV_ROWS_FLOAT32) w.half_row.resize(static_cast<size_t>(dim));
     constexpr int64_t kAhead = 4;
     for (int64_t u = u0; u < u1; ++u) {
       if (u + kAhead < u1 && (u_flags_[u + kAhead] & kInserted)) {
         const int64_t ahead = u_slot_[u + kAhead];
-        if (a_.weights && !stream) {
-          for (int64_t b = 0; b < dim * 4; b += 64) {
-            __builtin_prefetch(reinterpret_cast<const char*>(a_.weights + ahead * dim) + b, 1);
+        if (weights && !stream) {
+          for (int64_t b = 0; b < row_bytes; b += 64) {
+            __builtin_prefetch(weights + ahead * row_bytes + b, 1);
           }
         }
         if (state_dim && a_.state) __builtin_prefetch(a_.state + ahead * state_dim, 1);
@@ -547,12 +565,20 @@ class TrainLookup {
       if (!(u_flags_[u] & kInserted)) continue;
       const int64_t slot = u_slot_[u];
       const TableInfo& tab = tables_[u_table_[u]];
-      if (tab.init_native && a_.weights) {
-        if (stream) {
-          tab.init.fill(w.row.data(), dim, u_id_[u]);
-          stream_row(a_.weights + slot * dim, w.row.data(), dim);
+      if (tab.init_native && weights) {
+        char* const dst = weights + slot * row_bytes;
+        if (dtype == KV_ROWS_FLOAT32 && !stream) {
+          tab.init.fill(reinterpret_cast<float*>(dst), dim, u_id_[u]);
         } else {
-          tab.init.fill(a_.weights + slot * dim, dim, u_id_[u]);
+          tab.init.fill(w.row.data(), dim, u_id_[u]);
+          if (!stream) {
+            store_row(dtype, w.row.data(), dst, dim);
+          } else if (dtype == KV_ROWS_FLOAT32) {
+            stream_row(dst, w.row.data(), row_bytes);
+          } else {
+            store_row(dtype, w.row.data(), w.half_row.data(), dim);
+            stream_row(dst, w.half_row.data(), row_bytes);
+          }
         }
       }
       if (state_dim && a_.state) {
@@ -632,7 +658,8 @@ class TrainLookup {
 }  // namespace kvemb
 
 extern "C" int kv_lookup_train_group(const KvTrainArgs* args) {
-  if (!args || args->n < 0 || args->num_tables < 0 || args->dim < 1 || args->state_dim < 0) {
+  if (!args || args->n < 0 || args->num_tables < 0 || args->dim < 1 || args->state_dim < 0 ||
+      args->weights_dtype < KV_ROWS_FLOAT32 || args->weights_dtype > KV_ROWS_BFLOAT16) {
     return KV_BAD_ARGUMENT;
   }
   try {

@@ -38,20 +38,40 @@ constexpr int64_t kRowAhead = 8;
 
 #define KV_ALWAYS_INLINE inline __attribute__((always_inline))
 
+// How a row is read: value by value (at), or, with kBlock, the whole row to
+// float32 scratch first (convert).
 struct Float32Rows {
   using T = float;
+  static constexpr bool kBlock = false;
   static KV_ALWAYS_INLINE float at(const T* row, int64_t j) { return row[j]; }
 };
 struct Float16Rows {
   using T = uint16_t;
+  static constexpr bool kBlock = false;
   static KV_ALWAYS_INLINE float at(const T* row, int64_t j) { return half_bits_to_float(row[j]); }
 };
 struct BFloat16Rows {
   using T = uint16_t;
+  static constexpr bool kBlock = false;
   static KV_ALWAYS_INLINE float at(const T* row, int64_t j) {
     return bfloat16_bits_to_float(row[j]);
   }
 };
+#if defined(KV_F16C_CLONES)
+// Float16 rows by F16C (row_dtype.h): only in the sums (float arithmetic
+// follows every read, so VCVTPH2PS's quieting of a signaling NaN changes no
+// result); copied rows keep the integer conversion, exact for every pattern.
+struct Float16F16CRows {
+  using T = uint16_t;
+  static constexpr bool kBlock = true;
+  static KV_ALWAYS_INLINE float at(const T* row, int64_t j) { return half_bits_to_float(row[j]); }
+  // Inlined by the flattened F16C sums below (always_inline would be refused
+  // where the generic templates are compiled).
+  KV_TARGET_F16C static inline void convert(const T* row, float* out, int64_t dim) {
+    half_row_to_float_f16c(row, out, dim);
+  }
+};
+#endif
 
 // What a task's sums read: the arguments, the slots of the task's ids
 // [ids_begin, ids_end) (slots[0] is id ids_begin's).
@@ -61,6 +81,7 @@ struct Sums {
   int64_t ids_begin;
   int64_t ids_end;
   float* acc;   // [dim] scratch
+  float* row;   // [dim] scratch: a row read to float32 (R::kBlock)
   int* status;  // raised to KV_BAD_ARGUMENT by a slot outside the rows
 };
 
@@ -83,6 +104,8 @@ KV_ALWAYS_INLINE void sum_bags_body(const Sums& s, int64_t b0, int64_t b1) {
   const auto* weights = static_cast<const typename R::T*>(a.weights);
   float local[kDim ? kDim : 1];
   float* acc = kDim ? local : s.acc;
+  float local_row[kDim && R::kBlock ? kDim : 1];
+  float* wide = kDim ? local_row : s.row;
   const int64_t* slots = s.slots - s.ids_begin;  // indexed by the id's position
   for (int64_t b = b0; b < b1; ++b) {
     if (a.out_offset && a.out_offset[b] < 0) continue;
@@ -102,6 +125,7 @@ KV_ALWAYS_INLINE void sum_bags_body(const Sums& s, int64_t b0, int64_t b1) {
         continue;
       }
       const typename R::T* row = weights + slot * dim;
+      if constexpr (R::kBlock) R::convert(row, wide, dim);
       if (kWeighted) {
         float w = 1.0f;
         if (a.scale) {
@@ -109,7 +133,13 @@ KV_ALWAYS_INLINE void sum_bags_body(const Sums& s, int64_t b0, int64_t b1) {
         } else {
           w = (a.per_sample_weights ? a.per_sample_weights[i] : 1.0f) / divisor;
         }
-        for (int64_t j = 0; j < dim; ++j) acc[j] = __builtin_fmaf(w, R::at(row, j), acc[j]);
+        if constexpr (R::kBlock) {
+          for (int64_t j = 0; j < dim; ++j) acc[j] = __builtin_fmaf(w, wide[j], acc[j]);
+        } else {
+          for (int64_t j = 0; j < dim; ++j) acc[j] = __builtin_fmaf(w, R::at(row, j), acc[j]);
+        }
+      } else if constexpr (R::kBlock) {
+        for (int64_t j = 0; j < dim; ++j) acc[j] += wide[j];
       } else {
         for (int64_t j = 0; j < dim; ++j) acc[j] += R::at(row, j);
       }
@@ -180,6 +210,16 @@ bool cpu_has_fma() {
   static const bool has = __builtin_cpu_supports("fma");
   return has;
 }
+
+// Float16 sums by F16C; weighted ones with FMA too.
+__attribute__((target("avx,f16c"), flatten)) void sum_bags_f16c(const Sums& s, int64_t b0,
+                                                               int64_t b1) {
+  sum_bags_any<Float16F16CRows, false>(s, b0, b1);
+}
+__attribute__((target("avx,f16c,fma"), flatten)) void sum_bags_f16c_fma(const Sums& s, int64_t b0,
+                                                                        int64_t b1) {
+  sum_bags_any<Float16F16CRows, true>(s, b0, b1);
+}
 #endif
 
 using SumBags = void (*)(const Sums&, int64_t, int64_t);
@@ -198,6 +238,10 @@ SumBags sum_bags_of(int64_t dtype, bool weighted) {
     case KV_ROWS_FLOAT32:
       return sum_bags_for<Float32Rows>(weighted);
     case KV_ROWS_FLOAT16:
+#if defined(KV_F16C_CLONES)
+      if (use_f16c() && !weighted) return sum_bags_f16c;
+      if (use_f16c() && cpu_has_fma()) return sum_bags_f16c_fma;
+#endif
       return sum_bags_for<Float16Rows>(weighted);
     case KV_ROWS_BFLOAT16:
       return sum_bags_for<BFloat16Rows>(weighted);
@@ -209,7 +253,7 @@ SumBags sum_bags_of(int64_t dtype, bool weighted) {
 // A worker's scratch and counters.
 struct Worker {
   std::vector<int64_t> table, slots, hits, seen;
-  std::vector<float> acc;
+  std::vector<float> acc, row;
   int64_t missing = 0;
   int status = KV_OK;
 };
@@ -283,6 +327,7 @@ extern "C" int kv_pooled_forward(const KvPooledArgs* args) {
     w.hits.assign(static_cast<size_t>(T), 0);
     w.seen.assign(static_cast<size_t>(T), 0);
     w.acc.resize(static_cast<size_t>(std::max<int64_t>(a.dim, 1)));
+    w.row.resize(static_cast<size_t>(std::max<int64_t>(a.dim, 1)));
   }
 
   const bool ok = parallel_for(tasks, a.num_threads, [&](int64_t task, int64_t worker) {
@@ -323,7 +368,7 @@ extern "C" int kv_pooled_forward(const KvPooledArgs* args) {
     if (a.missing && tables) {
       for (int64_t j = 0; j < m; ++j) w.missing += table[j] >= 0 && slots[j] < 0;
     }
-    sum_bags(Sums{&a, slots, i0, i1, w.acc.data(), &w.status}, b0, b1);
+    sum_bags(Sums{&a, slots, i0, i1, w.acc.data(), w.row.data(), &w.status}, b0, b1);
   });
   if (!ok) return KV_OUT_OF_MEMORY;
   int status = KV_OK;

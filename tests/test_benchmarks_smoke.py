@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import ebc_train, ec_train
+from benchmarks import ebc_train, ec_train, precision
 from benchmarks.common import ZipfIds, format_table, markdown_table, spread_ids
 
 TINY = [
@@ -47,6 +47,16 @@ def test_ec_train_runs_all_systems(tmp_path: Path) -> None:
             assert result.ids_per_s(system, mode) > 0, (system, mode)
     text = out.read_text()
     assert "| KV/EC train |" in text and "| seq TBE |" in text
+
+
+def test_precision_kernels_time_every_row_dtype(capsys: pytest.CaptureFixture) -> None:
+    assert precision.main([*TINY, "--kernels"]) is None
+    lines = capsys.readouterr().out.splitlines()
+    for op in ("pooled forward", "backward"):
+        for name in precision.KERNEL_ROWS:
+            rows = [line for line in lines if line.startswith(op) and f" {name} " in line]
+            assert len(rows) == 1, (op, name, lines)
+            assert float(rows[0].split()[-2]) > 0  # ms per call
 
 
 def test_zipf_ids_in_range_and_skewed() -> None:

@@ -35,7 +35,7 @@ from torchrec_kvemb.validation import KVInputError
 #: The shared library's extension name (setup.py builds csrc/ into it).
 LIBRARY = "torchrec_kvemb._kvemb_native"
 #: Must equal KV_ABI_VERSION in csrc/kvemb_native.h.
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 _OK, _BAD_TABLE, _NEGATIVE_ID, _OUT_OF_MEMORY, _BAD_ARGUMENT = range(5)
 
@@ -58,6 +58,7 @@ class TrainArgs(ctypes.Structure):
         ("scores", _PTR),
         ("num_buckets_total", _I64),
         ("weights", _PTR),
+        ("weights_dtype", _I64),
         ("dim", _I64),
         ("state", _PTR),
         ("state_dim", _I64),
@@ -269,6 +270,7 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
     lib.kv_crc32_folds.argtypes = []
     lib.kv_pool_stats.argtypes = [_PTR]
     lib.kv_pool_selftest.argtypes = [_I64, _I64, _I64, _I64, _PTR, _PTR]
+    lib.kv_set_f16c.argtypes = [_I64]
     for fn in (
         lib.kv_index_bucket,
         lib.kv_init_uniform,
@@ -290,6 +292,7 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
         lib.kv_pool_selftest,
         lib.kv_cpu_has_avx2,
         lib.kv_build_has_avx2,
+        lib.kv_set_f16c,
     ):
         fn.restype = c_int
     return lib, None
@@ -327,6 +330,14 @@ def library() -> ctypes.CDLL:
     if lib is None:
         raise NativeOpError(f"torchrec_kvemb native kernels unavailable: {reason}")
     return lib
+
+
+def set_f16c(enabled: bool, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether float16 rows may be converted by the CPU's F16C instructions (the
+    default where it has them) or must take the library's integer conversions
+    (the same bits; tests run both), for ``lib`` (default: the one the ops use)
+    in this process. Returns True if F16C is used after the call."""
+    return bool((lib or library()).kv_set_f16c(int(bool(enabled))))
 
 
 def pool_stats() -> dict[str, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+from collections.abc import Iterator
 
 import pytest
 
@@ -23,3 +24,19 @@ def native_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(native_lib, "load", lambda: (lib, None))
     assert native_lib.variant() == request.param
     return request.param
+
+
+@pytest.fixture(params=["f16c", "integer"])
+def half_conversion(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run the test with float16 rows converted by F16C instructions, then by the
+    library's integer code (the same bits by contract), in the library the ops
+    use (request ``native_build`` first to pick a build)."""
+    lib = native_lib.library()
+    use = native_lib.set_f16c(request.param == "f16c", lib)
+    try:
+        if request.param == "f16c" and not use:
+            pytest.skip("this CPU has no F16C")
+        assert use == (request.param == "f16c")
+        yield request.param
+    finally:
+        native_lib.set_f16c(True, lib)

@@ -71,8 +71,9 @@ LEARNING_RATES = (0.05, 0.2)
 
 
 @pytest.fixture(autouse=True)
-def build(native_build: str) -> str:
-    """Every test runs on each build of the library (tests/ops/conftest.py)."""
+def build(native_build: str, half_conversion: str) -> str:
+    """Every test runs on each build of the library, float16 rows converted by F16C
+    and by integer code (tests/ops/conftest.py)."""
     return native_build
 
 

@@ -19,7 +19,7 @@ import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_kvemb import KVEmbeddingBagCollection, KVTableOptions
+from torchrec_kvemb import KVEmbeddingBagCollection, KVTableOptions, native_lib
 from torchrec_kvemb.backend import ENV_VAR
 from torchrec_kvemb.bag_lookup import BagTable, KVBagLookup
 from torchrec_kvemb.contracts import Bags
@@ -53,8 +53,9 @@ class Batch:
 @pytest.mark.parametrize("dim", [13, 32, 64, 128], ids=lambda d: f"dim{d}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", BAGS)
-def test_pooled_forward_is_the_torch_forward(dtype, kind, dim):
-    """Dims 32, 64 and 128 run the kernel's fixed-width sums, 13 its general one."""
+def test_pooled_forward_is_the_torch_forward(dtype, kind, dim, half_conversion):
+    """Dims 32, 64 and 128 run the kernel's fixed-width sums, 13 its general one;
+    float16 rows converted by F16C and by integer code."""
     gen = torch.Generator().manual_seed(11)
     weights = torch.randn(103, dim, generator=gen).to(dtype)
     batch = Batch(kind, gen)
@@ -71,6 +72,45 @@ def test_pooled_forward_is_the_torch_forward(dtype, kind, dim):
         assert missing == int(((slots < 0) & (table_idx >= 0)).sum())
     rows, _ = native.pooled_forward(weights, slots, None, num_threads=2)
     assert torch.equal(rows, group_rows_forward_torch(weights, slots, slots, table_idx, (), True))
+
+
+@pytest.mark.parametrize("dim", [13, 64], ids=lambda d: f"dim{d}")
+@pytest.mark.parametrize("kind", ["sum", "weighted"])
+def test_float16_sums_of_every_bit_pattern(kind, dim):
+    """Every float16 pattern (subnormals, -0, inf, NaN of every payload) in rows
+    that bags sum: F16C and the integer conversion give the torch forward's bytes,
+    NaN compared as NaN (which of two NaNs a sum carries is the compiler's
+    choice of operand order, not a contract)."""
+    gen = torch.Generator().manual_seed(3)
+    patterns = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    rows = -(-patterns.numel() // dim)
+    weights = torch.cat([patterns, patterns[: rows * dim - patterns.numel()]])
+    weights = weights.view(torch.float16).view(rows, dim)
+    lengths = torch.randint(1, 4, (rows,), generator=gen)
+    lengths[::5] = 0  # empty bags
+    n = int(lengths.sum())
+    offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+    slots = torch.randint(0, rows, (n,), generator=gen)
+    slots[:rows] = torch.randperm(rows, generator=gen)  # every pattern summed
+    weights_of = torch.rand(n, generator=gen) if kind == "weighted" else None
+    bags = Bags.build(offsets, n, weights_of, False)
+    table_idx = torch.zeros(n, dtype=torch.int64)
+    lib = native_lib.library()
+    got = {}
+    try:
+        for use in (True, False):
+            if native_lib.set_f16c(use, lib) != use:
+                continue  # no F16C on this CPU: the integer code alone
+            got[use], _ = native.pooled_forward(weights, slots, offsets, bags.scale, table_idx, 2)
+    finally:
+        native_lib.set_f16c(True, lib)
+    assert False in got
+    want = group_pooled_forward_torch(weights, slots, slots, table_idx, bags, (), True)
+    nan = torch.isnan(want)
+    assert bool(nan.any()) and bool(torch.isinf(want).any())
+    for use, out in got.items():
+        assert torch.equal(torch.isnan(out), nan), f"f16c={use}"
+        assert torch.equal(out[~nan].view(torch.int32), want[~nan].view(torch.int32)), f"f16c={use}"
 
 
 def _group(dtype: torch.dtype, dim: int = 7) -> KVTableGroup:

@@ -447,10 +447,8 @@ def lookup_train_group(
         keys=tensor_ptr(keys, "keys", torch.int64, (nb, WAYS)),
         scores=tensor_ptr(scores, "scores", torch.int64, (nb, WAYS)),
         num_buckets_total=nb,
-        # Half-precision rows: the kernel writes no weights; new rows are written below.
-        weights=tensor_ptr(weights, "weights", torch.float32, (nb * WAYS, dim))
-        if weights.dtype == torch.float32
-        else tensor_ptr(None, "weights", torch.float32, optional=True),
+        weights=tensor_ptr(weights, "weights", weights.dtype, (nb * WAYS, dim)),
+        weights_dtype=_row_dtype(weights, "lookup_train_group"),
         dim=dim,
         state=tensor_ptr(state, "state", torch.float32, (nb * WAYS, state_dim)),
         state_dim=state_dim,
@@ -495,8 +493,7 @@ def lookup_train_group(
         admission_threshold=tables.admission_threshold,
         counter_bucket_offset=tables.counter_bucket_offset,
         counter_num_buckets=tables.counter_num_buckets,
-        init_native=((tables.init_normal == 0) & (tables.init_col == 0)).to(torch.int64)
-        * int(weights.dtype == torch.float32),
+        init_native=((tables.init_normal == 0) & (tables.init_col == 0)).to(torch.int64),
         seed_mix=tables.seed_mix,
     )
     for name, value in table_args.items():
@@ -564,19 +561,16 @@ def lookup_train_group(
         return result._replace(
             unique_flags=flags[:u], unique_scores=scores_u[:u], evicted_scores=scores_e[:e]
         )
-    every_table = weights.dtype != torch.float32
-    if tables.has_normal or every_table:
-        _fill_new_rows(tables, weights, result, every_table)
+    if tables.has_normal:
+        _fill_new_rows(tables, weights, result)
     return result
 
 
-def _fill_new_rows(
-    tables: GroupLayout, weights: torch.Tensor, result: TrainLookup, every_table: bool
-) -> None:
-    """Initial rows of the new ids of NORMAL tables and column shards (of every table
-    with ``every_table``: half-precision rows), by the torch path (why NORMAL: its
-    log and cos are torch's vectorized ones, which C++ libm does not match bit for
-    bit; column shards: the native uniform draw starts at column 0)."""
+def _fill_new_rows(tables: GroupLayout, weights: torch.Tensor, result: TrainLookup) -> None:
+    """Initial rows of the new ids of NORMAL tables and column shards, by the torch
+    path (why NORMAL: its log and cos are torch's vectorized ones, which C++ libm
+    does not match bit for bit; column shards: the native uniform draw starts at
+    column 0)."""
     new = result.unique_inserted
     if not bool(new.any()):
         return
@@ -584,7 +578,7 @@ def _fill_new_rows(
     u = new.numel()  # the batch's uniques (``pad_uniques`` keeps more slots and tables)
     table, slots = result.unique_table[:u], result.unique_slots[:u]
     for t, spec in enumerate(tables.init_specs):
-        if not (spec.normal or spec.first_col or every_table):
+        if not (spec.normal or spec.first_col):
             continue
         mask = new & (table == t)
         if bool(mask.any()):
