@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from torchrec_kvemb import dispatch
+from torchrec_kvemb import dispatch, huge_pages
 from torchrec_kvemb.contracts import (
     METRIC_NAMES,
     GroupLookup,
@@ -53,14 +53,16 @@ def grown_storage(rows: int, weights: torch.Tensor, state: torch.Tensor) -> Tabl
     """An empty index of ``rows`` slots, zero rows like ``weights`` and ``state``
     (why zeros: a lookup may read an empty slot's row and mask it by
     multiplication, which garbage NaNs would survive), no admission counter: what
-    a table grows into."""
-    keys = torch.full((rows // WAYS, WAYS), -1, dtype=torch.int64, device=weights.device)
+    a table grows into. Like ``TableStorage.allocate``, large arrays are asked for
+    2 MB pages before they are filled (``huge_pages``)."""
+    device = weights.device
+    keys = huge_pages.full((rows // WAYS, WAYS), -1, torch.int64, device)
     empty = keys.new_empty(0)
     return TableStorage(
         keys,
-        torch.zeros_like(keys),
-        weights.new_zeros(rows, weights.shape[1]),
-        state.new_zeros(rows, state.shape[1]),
+        huge_pages.zeros(tuple(keys.shape), torch.int64, device),
+        huge_pages.zeros((rows, weights.shape[1]), weights.dtype, device),
+        huge_pages.zeros((rows, state.shape[1]), state.dtype, device),
         empty.view(0, WAYS),
         empty.view(0, WAYS),
         empty,
@@ -686,7 +688,8 @@ class KVTable:
     def init_rows_at(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
         """New rows: ``ids``' initial rows at ``slots``, optimizer state zero."""
         if slots.numel():
-            self.weights.index_copy_(0, slots, self.initial_rows(ids).to(self.weights.dtype))
+            rows = self.initial_rows(ids).to(self.weights.dtype)
+            dispatch.scatter_rows(self.weights, slots, rows)  # native for float32 on the CPU
             if self.state_dim:
                 self.state.index_fill_(0, slots, 0.0)
 
