@@ -12,6 +12,13 @@
 #include "kvemb_native.h"
 #include "parallel.h"
 
+namespace {
+// Rows a task copies (why this few: a step's few thousand rows made 2 tasks, and
+// the call waited for whichever thread held the other half, descheduled or
+// not; a task is a shared counter's increment, nothing to amortize).
+constexpr int64_t kRowsPerTask = 512;
+}  // namespace
+
 extern "C" int kv_scatter_rows(float* dest, int64_t dest_rows, int64_t dest_stride, int64_t width,
                                const int64_t* slots, int64_t k, const float* rows,
                                int64_t rows_stride, int64_t num_threads) {
@@ -19,7 +26,6 @@ extern "C" int kv_scatter_rows(float* dest, int64_t dest_rows, int64_t dest_stri
   for (int64_t r = 0; r < k; ++r) {
     if (slots[r] < 0 || slots[r] >= dest_rows) return KV_BAD_ARGUMENT;
   }
-  constexpr int64_t kRowsPerTask = 4096;
   constexpr int64_t kAhead = 8;
   const int64_t tasks = (k + kRowsPerTask - 1) / kRowsPerTask;
   const bool ok = kvemb::parallel_for(tasks, num_threads, [&](int64_t task, int64_t) {
@@ -42,7 +48,6 @@ extern "C" int kv_gather_rows(const float* src, int64_t src_rows, int64_t src_st
   for (int64_t r = 0; r < k; ++r) {
     if (slots[r] < 0 || slots[r] >= src_rows) return KV_BAD_ARGUMENT;
   }
-  constexpr int64_t kRowsPerTask = 2048;
   constexpr int64_t kAhead = 8;
   const int64_t tasks = (k + kRowsPerTask - 1) / kRowsPerTask;
   const bool ok = kvemb::parallel_for(tasks, num_threads, [&](int64_t task, int64_t) {
