@@ -102,8 +102,9 @@ def test_a_collection_gives_the_same_bits_on_huge_pages(monkeypatch: pytest.Monk
 def test_a_grown_tables_new_arrays_are_marked_and_hold_their_values(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A table that grows asks for 2 MB pages under its large new arrays, as a table
-    built at that capacity does (``table.grown_storage``), and holds the same rows."""
+    """A table that grows asks for 2 MB pages under its large new arrays once they
+    are filled (``table.grown_storage``; khugepaged merges them later), and holds
+    the rows of a table built at that capacity."""
     configs = [
         EmbeddingBagConfig(name="t", embedding_dim=17, num_embeddings=2**40, feature_names=["f"])
     ]

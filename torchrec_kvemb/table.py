@@ -53,20 +53,24 @@ def grown_storage(rows: int, weights: torch.Tensor, state: torch.Tensor) -> Tabl
     """An empty index of ``rows`` slots, zero rows like ``weights`` and ``state``
     (why zeros: a lookup may read an empty slot's row and mask it by
     multiplication, which garbage NaNs would survive), no admission counter: what
-    a table grows into. Like ``TableStorage.allocate``, large arrays are asked for
-    2 MB pages before they are filled (``huge_pages``)."""
+    a table grows into. Large arrays are asked for 2 MB pages once filled
+    (``huge_pages.advise``): their memory is faulted in on 4 KB pages, and the
+    kernel's khugepaged merges it into 2 MB pages in the background (why not
+    before the fill, as ``TableStorage.allocate`` does: the growth runs inside a
+    training step, and on the 2-core VM 64 MB faulted in on 2 MB pages took
+    53-256 ms against 28-41 ms; docs/benchmarks.md, Growth)."""
     device = weights.device
-    keys = huge_pages.full((rows // WAYS, WAYS), -1, torch.int64, device)
-    empty = keys.new_empty(0)
-    return TableStorage(
+    keys = torch.full((rows // WAYS, WAYS), -1, dtype=torch.int64, device=device)
+    arrays = (
         keys,
-        huge_pages.zeros(tuple(keys.shape), torch.int64, device),
-        huge_pages.zeros((rows, weights.shape[1]), weights.dtype, device),
-        huge_pages.zeros((rows, state.shape[1]), state.dtype, device),
-        empty.view(0, WAYS),
-        empty.view(0, WAYS),
-        empty,
+        torch.zeros_like(keys),
+        weights.new_zeros(rows, weights.shape[1]),
+        state.new_zeros(rows, state.shape[1]),
     )
+    for array in arrays:
+        huge_pages.advise(array)
+    empty = keys.new_empty(0)
+    return TableStorage(*arrays, empty.view(0, WAYS), empty.view(0, WAYS), empty)
 
 
 class KVTable:
