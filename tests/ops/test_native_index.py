@@ -209,8 +209,9 @@ def test_gather_rows_matches_index_select(width: int, threads: int) -> None:
     assert torch.equal(base, before)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("width", [1, 7, 64], ids=lambda w: f"width{w}")
-def test_scatter_rows_matches_index_copy(width: int) -> None:
+def test_scatter_rows_matches_index_copy(width: int, threads: int) -> None:
     """Rows into random slots of a wider array's column block (a row stride that is
     not the width), against ``index_copy_``; a slot outside the array is refused
     before anything is written."""
@@ -220,7 +221,7 @@ def test_scatter_rows_matches_index_copy(width: int) -> None:
     slots = torch.randperm(3_001, generator=gen)[:2_017]
     rows = torch.randn(2_017, width, generator=gen)
     want = dest.clone().index_copy_(0, slots, rows)
-    native.scatter_rows(dest, slots, rows, num_threads=3)
+    native.scatter_rows(dest, slots, rows, num_threads=threads)
     assert torch.equal(dest, want)
     before = base.clone()
     with pytest.raises(native.NativeOpError, match="scatter_rows"):
