@@ -18,8 +18,21 @@ namespace kvemb {
 // in L1, and a 1M-row table still gives 64 parts to balance Zipf-hot buckets.
 constexpr int kPartShift = 10;
 
-inline int64_t part_count(int64_t num_buckets) {
-  return (num_buckets + (int64_t{1} << kPartShift) - 1) >> kPartShift;
+inline int64_t part_count(int64_t num_buckets, int shift = kPartShift) {
+  return (num_buckets + (int64_t{1} << shift) - 1) >> shift;
+}
+
+// A part width for an index of ``num_buckets`` buckets: 2**kPartShift buckets,
+// narrower for a small index so that it still has about kMinParts parts, down to
+// 2**kMinPartShift (why: a table of 30k rows had 2 parts, and a call waited for
+// whichever thread held the larger one, descheduled or not; docs/tiers.md,
+// Measured). Depends on the bucket count only, never on the threads.
+constexpr int kMinPartShift = 6;
+constexpr int64_t kMinParts = 32;
+inline int fine_part_shift(int64_t num_buckets) {
+  int shift = kPartShift;
+  while (shift > kMinPartShift && (num_buckets >> shift) < kMinParts) --shift;
+  return shift;
 }
 
 // One sorted item: its bucket and key (an id) travel with its index, so the
@@ -35,6 +48,7 @@ struct BucketOrder {
   Item* items = nullptr;          // by bucket, then index
   int64_t* part_start = nullptr;  // [parts + 1] into items
   int64_t parts = 0;
+  int shift = kPartShift;  // a part is 2**shift buckets
   int64_t size() const { return part_start[parts]; }
 };
 
@@ -65,10 +79,10 @@ void for_each_bucket(const BucketOrder& order, int64_t p, const int64_t* keys,
   }
 }
 
-// Orders items [0, n) (bucket[i], key[i]) by bucket in [0, num_buckets);
-// items with bucket -1 are left out. Memory comes from ``arena``. Throws
-// std::bad_alloc.
+// Orders items [0, n) (bucket[i], key[i]) by bucket in [0, num_buckets), in
+// parts of 2**shift buckets; items with bucket -1 are left out. Memory comes
+// from ``arena``. Throws std::bad_alloc.
 void order_by_bucket(const int64_t* bucket, const int64_t* key, int64_t n, int64_t num_buckets,
-                     int64_t threads, Arena& arena, BucketOrder* out);
+                     int64_t threads, Arena& arena, BucketOrder* out, int shift = kPartShift);
 
 }  // namespace kvemb

@@ -17,7 +17,7 @@ extern "C" {
 
 // Bump on any change of a signature or struct below; native.py refuses a
 // library whose version differs (a stale build).
-#define KV_ABI_VERSION 10
+#define KV_ABI_VERSION 12
 
 enum KvStatus {
   KV_OK = 0,
@@ -319,6 +319,12 @@ int kv_read_records(const int64_t* slab, int64_t slab_records, int64_t words,
 int kv_scatter_rows(float* dest, int64_t dest_rows, int64_t dest_stride, int64_t width,
                     const int64_t* slots, int64_t k, const float* rows, int64_t rows_stride,
                     int64_t num_threads);
+
+// dest[r, :width] = src[slots[r], :width] for r in [0, k) (float32; row
+// strides in floats); refuses a slot outside [0, src_rows) before reading.
+int kv_gather_rows(const float* src, int64_t src_rows, int64_t src_stride, int64_t width,
+                   const int64_t* slots, int64_t k, float* dest, int64_t dest_stride,
+                   int64_t num_threads);
 
 // Checksums [k] of slab records block [k, words] (ssd/slab.py checksum).
 int kv_record_checksum(const int64_t* block, int64_t k, int64_t words, int64_t num_threads,

@@ -87,8 +87,16 @@ struct TableInfo {
   }
 };
 
+// A part's counts, a cache line of their own (why: two threads settling
+// neighbouring parts bumped counters of one line at every bucket).
+struct alignas(64) PartCounts {
+  int64_t unique = 0;
+  int64_t evicted = 0;
+  int64_t evicted_collect = 0;
+};
+
 // One worker's scratch, reused bucket after bucket.
-struct Worker {
+struct alignas(64) Worker {  // a cache line of its own, as PartCounts
   std::vector<std::pair<int64_t, int64_t>> misses;  // (id, position in the order)
   std::vector<NewId> new_ids;
   std::vector<int> way_of;  // counter phase: per waiting id, see count_bucket
@@ -143,7 +151,8 @@ class TrainLookup {
     try {
       if (const int status = read_tables(); status != KV_OK) return status;
       if (const int status = hash_occurrences(); status != KV_OK) return status;
-      order_by_bucket(bucket_, a_.ids, a_.n, a_.num_buckets_total, threads_, arena_, &occ_);
+      order_by_bucket(bucket_, a_.ids, a_.n, a_.num_buckets_total, threads_, arena_, &occ_,
+                      fine_part_shift(a_.num_buckets_total));
       allocate();
       const int64_t parts = occ_.parts;
       ensure(parallel_for(parts, threads_, [&](int64_t p, int64_t w) { collect_part(p, w); }));
@@ -268,9 +277,7 @@ class TrainLookup {
     e_id_ = arena_.take<int64_t>(total);
     e_slot_ = arena_.take<int64_t>(total);
     e_score_ = arena_.take<int64_t>(total);
-    n_unique_.assign(static_cast<size_t>(parts), 0);
-    n_evicted_.assign(static_cast<size_t>(parts), 0);
-    n_evicted_collect_.assign(static_cast<size_t>(parts), 0);
+    counts_.assign(static_cast<size_t>(parts), PartCounts{});
   }
 
   // ------------------------------------------------------------ 1. collect
@@ -279,8 +286,8 @@ class TrainLookup {
     for_each_bucket(occ_, p, a_.keys, a_.scores, [&](int64_t bucket, int64_t k0, int64_t k1) {
       collect_bucket(p, bucket, k0, k1, w);
     });
-    n_evicted_collect_[p] = n_evicted_[p];
-    if (!any_admission_) write_new_rows(occ_.part_start[p], occ_.part_start[p] + n_unique_[p], w);
+    counts_[p].evicted_collect = counts_[p].evicted;
+    if (!any_admission_) write_new_rows(occ_.part_start[p], occ_.part_start[p] + counts_[p].unique, w);
   }
 
   void add_unique(int64_t pos, int64_t id, int64_t bucket, int64_t t, int64_t count, int64_t top,
@@ -339,7 +346,7 @@ class TrainLookup {
     }
 
     const int64_t base = occ_.part_start[p];
-    int64_t& n_unique = n_unique_[p];
+    int64_t& n_unique = counts_[p].unique;
     const int64_t first_unique = n_unique;
     int64_t local_of_way[kWays];
     for (uint32_t m = seen; m; m &= m - 1) {
@@ -383,7 +390,7 @@ class TrainLookup {
     const int64_t total = occ_.size();
     int64_t* counter_bucket = arena_.take<int64_t>(total);
     ensure(parallel_for(occ_.parts, threads_, [&](int64_t p, int64_t) {
-      const int64_t base = occ_.part_start[p], used = base + n_unique_[p];
+      const int64_t base = occ_.part_start[p], used = base + counts_[p].unique;
       for (int64_t pos = base; pos < occ_.part_start[p + 1]; ++pos) {
         counter_bucket[pos] = -1;
         if (pos >= used || u_way_[pos] >= 0 || (u_flags_[pos] & kPromoted)) continue;
@@ -462,7 +469,7 @@ class TrainLookup {
   // ------------------------------------------------------------ 3. settle
   void settle_admission(int64_t p, int64_t worker) {
     Worker& w = workers_[static_cast<size_t>(worker)];
-    const int64_t base = occ_.part_start[p], end = base + n_unique_[p];
+    const int64_t base = occ_.part_start[p], end = base + counts_[p].unique;
     for (int64_t pos = base; pos < end;) {
       int64_t e = pos + 1;
       while (e < end && u_bucket_[e] == u_bucket_[pos]) ++e;
@@ -522,13 +529,13 @@ class TrainLookup {
       u_flags_[u] |= kInserted;
       ++metrics[KV_INSERTS];
     }
-    const int64_t at = occ_.part_start[p] + n_evicted_[p];
+    const int64_t at = occ_.part_start[p] + counts_[p].evicted;
     for (int e = 0; e < placed.n_evicted; ++e) {
       e_id_[at + e] = placed.evicted_id[e];
       e_slot_[at + e] = bucket * kWays + placed.evicted_way[e];
       e_score_[at + e] = placed.evicted_score[e];
     }
-    n_evicted_[p] += placed.n_evicted;
+    counts_[p].evicted += placed.n_evicted;
     metrics[KV_EVICTIONS] += placed.n_evicted;
   }
 
@@ -594,12 +601,12 @@ class TrainLookup {
     std::vector<int64_t> unique_base(static_cast<size_t>(parts) + 1, 0);
     std::vector<int64_t> evicted_base(static_cast<size_t>(parts) + 1, 0);
     for (int64_t p = 0; p < parts; ++p) {
-      unique_base[p + 1] = unique_base[p] + n_unique_[p];
-      evicted_base[p + 1] = evicted_base[p] + n_evicted_[p];
+      unique_base[p + 1] = unique_base[p] + counts_[p].unique;
+      evicted_base[p + 1] = evicted_base[p] + counts_[p].evicted;
     }
     ensure(parallel_for(parts, threads_, [&](int64_t p, int64_t) {
       const int64_t base = occ_.part_start[p];
-      for (int64_t j = 0, out = unique_base[p]; j < n_unique_[p]; ++j, ++out) {
+      for (int64_t j = 0, out = unique_base[p]; j < counts_[p].unique; ++j, ++out) {
         a_.unique_ids[out] = u_id_[base + j];
         a_.unique_slots[out] = u_slot_[base + j];
         a_.unique_table[out] = u_table_[base + j];
@@ -608,8 +615,8 @@ class TrainLookup {
         if (a_.unique_scores) a_.unique_scores[out] = u_final_[base + j];
       }
       // Both phases' evictions are ascending by slot: merge them.
-      int64_t i = base, i_end = base + n_evicted_collect_[p];
-      int64_t j = i_end, j_end = base + n_evicted_[p];
+      int64_t i = base, i_end = base + counts_[p].evicted_collect;
+      int64_t j = i_end, j_end = base + counts_[p].evicted;
       for (int64_t out = evicted_base[p]; i < i_end || j < j_end; ++out) {
         const bool first = j >= j_end || (i < i_end && e_slot_[i] < e_slot_[j]);
         const int64_t from = first ? i++ : j++;
@@ -640,17 +647,16 @@ class TrainLookup {
   int64_t* bucket_ = nullptr;  // [n] global bucket of each occurrence, -1: another group's
   BucketOrder occ_;            // occurrences by bucket
   int64_t* tag_ = nullptr;     // per position of occ_.items: the part-local unique index
-  // Uniques of part p at [occ_.part_start[p], + n_unique_[p]).
+  // Uniques of part p at [occ_.part_start[p], + counts_[p].unique).
   int64_t *u_id_ = nullptr, *u_bucket_ = nullptr, *u_table_ = nullptr;
   int64_t *u_count_ = nullptr, *u_value_ = nullptr, *u_slot_ = nullptr;
   int64_t* u_final_ = nullptr;  // the score the unique's slot ends with (or would)
   int8_t* u_way_ = nullptr;  // the stored way before the call, -1: new
   uint8_t* u_flags_ = nullptr;
-  std::vector<int64_t> n_unique_;
-  // Evictions of part p at [occ_.part_start[p], + n_evicted_[p]): the
-  // collect phase's first (n_evicted_collect_), then the settle phase's.
+  // Evictions of part p at [occ_.part_start[p], + counts_[p].evicted): the
+  // collect phase's first (evicted_collect), then the settle phase's.
   int64_t *e_id_ = nullptr, *e_slot_ = nullptr, *e_score_ = nullptr;
-  std::vector<int64_t> n_evicted_, n_evicted_collect_;
+  std::vector<PartCounts> counts_;
   std::vector<Worker> workers_;
 };
 

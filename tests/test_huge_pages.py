@@ -97,3 +97,36 @@ def test_a_collection_gives_the_same_bits_on_huge_pages(monkeypatch: pytest.Monk
             out.sum().backward()
     assert torch.equal(marked.table("t").weights, plain.table("t").weights)
     assert torch.equal(marked.table("t").keys, plain.table("t").keys)
+
+
+def test_a_grown_tables_new_arrays_are_marked_and_hold_their_values(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A table that grows asks for 2 MB pages under its large new arrays once they
+    are filled (``table.grown_storage``; khugepaged merges them later), and holds
+    the rows of a table built at that capacity."""
+    configs = [
+        EmbeddingBagConfig(name="t", embedding_dim=17, num_embeddings=2**40, feature_names=["f"])
+    ]
+
+    def collection(initial: int | None) -> KVEmbeddingBagCollection:
+        options = KVTableOptions(
+            capacity=FRESH_ROWS, initial_capacity=initial, init_low=-0.1, init_high=0.1
+        )
+        return KVEmbeddingBagCollection(configs, options, fused_params={"learning_rate": 0.05})
+
+    built, grown = collection(None), collection(FRESH_ROWS // 64)
+    asked = _advised_bytes(monkeypatch)
+    ids = torch.arange(200_000) * 7919 + 5
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=["f"], values=ids, lengths=torch.full((1_000,), 200)
+    )
+    outs = [m(kjt).values() for m in (grown, built)]
+    assert torch.equal(outs[0], outs[1])
+    table = grown.table("t")
+    assert table.capacity == FRESH_ROWS
+    weights_bytes = table.weights.numel() * 4
+    assert max(asked) >= weights_bytes - 2 * huge_pages.HUGE_PAGE  # the new rows, 34.5 MB
+    assert huge_pages.advised(table.weights)
+    assert torch.equal(table.weights, built.table("t").weights)
+    assert torch.equal(table.keys, built.table("t").keys)

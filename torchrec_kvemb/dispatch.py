@@ -147,6 +147,16 @@ def scatter_rows(dest: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) ->
     op(dest, slots.to(torch.int64).contiguous(), rows)
 
 
+def gather_rows(src: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``torch.index_select(src, 0, slots, out=out)`` (rows of a table's or a tier's
+    arrays at ``slots``; ``out`` may be a column block of a wider buffer)."""
+    op = registered("gather_rows", src.device)
+    if op is None:
+        return torch.index_select(src, 0, slots, out=out)
+    op(src, slots.to(torch.int64).contiguous(), out)
+    return out
+
+
 def init_rows(ids: torch.Tensor, dim: int, spec: InitSpec) -> torch.Tensor:
     """Initial rows ``[len(ids), dim]`` of ``ids`` by ``spec`` (``ops.hashing.init_rows``)."""
     op = registered("init_rows", ids.device)

@@ -33,8 +33,8 @@ memory snapshot (``SSDStore.flush``); a restart restores them into the table
 and, what does not fit there, into this tier (``adopt``).
 
 **Transfers.** On the host side, per table and step, the rows cross in one
-gather (``fetch``: one ``index_select`` of the records) and one scatter
-(``put``: one ``index_copy_``, the native row scatter on the CPU); between host
+gather (``fetch``: one ``index_select`` of the records, the native row gather
+on the CPU) and one scatter (``put``: one ``index_copy_``, the native row scatter); between host
 and table (or group) arrays, ``transfers.py`` moves them: one gather and one
 scatter per direction for a group of tables.
 
@@ -289,11 +289,7 @@ class HostTier(LowerTier):
 
     def _gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         records = self._index.records_at(slots)
-        if self.pinned:
-            rows = self._empty_rows(records.numel())
-            torch.index_select(self._rows, 0, records, out=rows)
-        else:
-            rows = self._rows.index_select(0, records)
+        rows = dispatch.gather_rows(self._rows, records, self._empty_rows(records.numel()))
         self.counters["host_reads"] += records.numel()
         self.counters["host_bytes_read"] += rows.numel() * rows.element_size()
         ok = torch.ones(records.numel(), dtype=torch.bool)

@@ -63,7 +63,8 @@ def enabled() -> bool:
 
 def advise(tensor: torch.Tensor) -> int:
     """Ask for huge pages under the 2 MB-aligned part of ``tensor``'s memory; the
-    bytes asked for (0: not done). Call it before the memory is first written."""
+    bytes asked for (0: not done). Called before the memory is first written, its
+    pages are faulted in as 2 MB pages; after, khugepaged merges them later."""
     if tensor.device.type != "cpu" or not enabled():
         return 0
     nbytes = tensor.untyped_storage().nbytes()

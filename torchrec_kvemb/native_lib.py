@@ -35,7 +35,7 @@ from torchrec_kvemb.validation import KVInputError
 #: The shared library's extension name (setup.py builds csrc/ into it).
 LIBRARY = "torchrec_kvemb._kvemb_native"
 #: Must equal KV_ABI_VERSION in csrc/kvemb_native.h.
-ABI_VERSION = 10
+ABI_VERSION = 12
 
 _OK, _BAD_TABLE, _NEGATIVE_ID, _OUT_OF_MEMORY, _BAD_ARGUMENT = range(5)
 
@@ -262,6 +262,7 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
     lib.kv_read_records.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR]
     lib.kv_bulk_load.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR]
     lib.kv_scatter_rows.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _I64]
+    lib.kv_gather_rows.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _I64]
     lib.kv_place.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _PTR]
     lib.kv_record_checksum.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
     lib.kv_write_records.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64]
@@ -282,6 +283,7 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
         lib.kv_place,
         lib.kv_bulk_load,
         lib.kv_scatter_rows,
+        lib.kv_gather_rows,
         lib.kv_read_records,
         lib.kv_record_checksum,
         lib.kv_write_records,

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from torchrec_kvemb import dispatch
+from torchrec_kvemb import dispatch, huge_pages
 from torchrec_kvemb.contracts import (
     METRIC_NAMES,
     GroupLookup,
@@ -53,18 +53,24 @@ def grown_storage(rows: int, weights: torch.Tensor, state: torch.Tensor) -> Tabl
     """An empty index of ``rows`` slots, zero rows like ``weights`` and ``state``
     (why zeros: a lookup may read an empty slot's row and mask it by
     multiplication, which garbage NaNs would survive), no admission counter: what
-    a table grows into."""
-    keys = torch.full((rows // WAYS, WAYS), -1, dtype=torch.int64, device=weights.device)
-    empty = keys.new_empty(0)
-    return TableStorage(
+    a table grows into. Large arrays are asked for 2 MB pages once filled
+    (``huge_pages.advise``): their memory is faulted in on 4 KB pages, and the
+    kernel's khugepaged merges it into 2 MB pages in the background (why not
+    before the fill, as ``TableStorage.allocate`` does: the growth runs inside a
+    training step, and on the 2-core VM 64 MB faulted in on 2 MB pages took
+    53-256 ms against 28-41 ms; docs/benchmarks.md, Growth)."""
+    device = weights.device
+    keys = torch.full((rows // WAYS, WAYS), -1, dtype=torch.int64, device=device)
+    arrays = (
         keys,
         torch.zeros_like(keys),
         weights.new_zeros(rows, weights.shape[1]),
         state.new_zeros(rows, state.shape[1]),
-        empty.view(0, WAYS),
-        empty.view(0, WAYS),
-        empty,
     )
+    for array in arrays:
+        huge_pages.advise(array)
+    empty = keys.new_empty(0)
+    return TableStorage(*arrays, empty.view(0, WAYS), empty.view(0, WAYS), empty)
 
 
 class KVTable:
@@ -686,7 +692,8 @@ class KVTable:
     def init_rows_at(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
         """New rows: ``ids``' initial rows at ``slots``, optimizer state zero."""
         if slots.numel():
-            self.weights.index_copy_(0, slots, self.initial_rows(ids).to(self.weights.dtype))
+            rows = self.initial_rows(ids).to(self.weights.dtype)
+            dispatch.scatter_rows(self.weights, slots, rows)  # native for float32 on the CPU
             if self.state_dim:
                 self.state.index_fill_(0, slots, 0.0)
 

@@ -45,8 +45,9 @@ Example::
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from typing import TypeVar
 
 import torch
@@ -101,19 +102,19 @@ _POOL: tuple[int, ThreadPoolExecutor] | None = None
 TIER_THREADS = 2
 
 
-def _threads() -> bool:
-    """Whether the tables' tier work may run on threads: with more than one torch
-    thread, unless the host tiers' own ops run in Triton's interpreter (forced on
-    CPU tensors: it is not thread-safe)."""
-    return torch.get_num_threads() > 1 and implementation("cpu") != "triton"
+def _threads(threads: int) -> bool:
+    """Whether the tables' tier work may run on threads: with more than one of the
+    caller's torch threads (``threads``), unless the host tiers' own ops run in
+    Triton's interpreter (forced on CPU tensors: it is not thread-safe)."""
+    return threads > 1 and implementation("cpu") != "triton"
 
 
-def _per_table(work: Callable[[int], _T], num_tables: int) -> list[_T]:
+def _per_table(work: Callable[[int], _T], num_tables: int, threads: int) -> list[_T]:
     """``[work(t) for t in range(num_tables)]``, tables on threads (each table's SSD
     store is its own; the native record reads and writes and most torch ops run
     without the GIL). An error of one table is raised once every table is done."""
     global _POOL
-    if num_tables == 1 or not _threads():
+    if num_tables == 1 or not _threads(threads):
         return [work(t) for t in range(num_tables)]
     if _POOL is None or _POOL[0] != os.getpid():
         _POOL = (os.getpid(), ThreadPoolExecutor(TIER_THREADS, thread_name_prefix="kvemb-tier"))
@@ -122,13 +123,13 @@ def _per_table(work: Callable[[int], _T], num_tables: int) -> list[_T]:
     return [f.result() for f in futures]
 
 
-def _beside(work: Callable[[int], None], num_tables: int) -> Callable[[], None]:
+def _beside(work: Callable[[int], None], num_tables: int, threads: int) -> Callable[[], None]:
     """Start ``work(t)`` for every table on the threads of ``_per_table`` (on the
     calling thread, at once, for one table or with one torch thread: a lone
     table's host-tier work beside the calling thread's took 12.4 against 12.2 ms
     a step inline, ``benchmarks.host_tier`` sizes, 2 threads); the callable
     returned waits for them and raises the first error."""
-    if num_tables == 1 or not _threads():
+    if num_tables == 1 or not _threads(threads):
         for t in range(num_tables):
             work(t)
         return lambda: None
@@ -145,6 +146,29 @@ def _beside(work: Callable[[int], None], num_tables: int) -> Callable[[], None]:
     return done
 
 
+@contextmanager
+def _serial_torch_ops() -> Iterator[int]:
+    """torch's intra-op threads at one while the step's tier work runs; yields the
+    caller's thread count, which the native group kernel keeps.
+
+    why: the tiered step's bookkeeping is many small torch indexing ops (a host
+    tier's ids, scores and records, its index), and with 2 threads each of a few
+    thousand items forks torch's OpenMP team; a fork that finds the other thread
+    asleep or descheduled waited for it, up to milliseconds under load (an
+    ``index_put_`` of 3,200 ids: median 9 us, worst 12-19 ms of 40 at load 3.7,
+    against 14 us with one thread). The step took 140.8 against 42.3 ms so at load
+    3.6-4.3 (docs/tiers.md, Measured)."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield 1
+        return
+    torch.set_num_threads(1)
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _native_pass(
     layout: GroupLayout,
     storage: TableStorage,
@@ -154,6 +178,7 @@ def _native_pass(
     custom_scores: torch.Tensor | None,
     custom_tables: Sequence[bool] | None,
     fetched: Sequence[_Fetched],
+    threads: int,
 ) -> native.TrainLookup:
     """The native kernel's pass (CPU tensors): the promotions as a ``TierPromotion``."""
     T = len(fetched)
@@ -177,6 +202,7 @@ def _native_pass(
         custom_scores,
         custom_tables,
         counter,
+        num_threads=threads,
         workspace=workspace(),
         tier=native.TierPromotion(
             fetched[0].ids.contiguous() if T == 1 else torch.cat([f.ids for f in fetched]),
@@ -204,7 +230,29 @@ def lookup_train_tiers(
     written its scratch rows back and the pad has begun the batch. ``steps [T]``:
     the tables' step clocks (a row of ``KVTableGroup.clocks``, or a lone table's
     ``clock[0:1]``: views of each table's ``clock``), which each table advances
-    once the disk has room. Returns global slots and each id's unique row."""
+    once the disk has room. Returns global slots and each id's unique row. The
+    torch ops of the tier work run on one thread (``_serial_torch_ops``); the
+    native kernel and the tables' tier threads keep the caller's count."""
+    with _serial_torch_ops() as threads:
+        return _lookup_train_tiers(
+            tables, layout, storage, row_offsets, ids, table_idx, custom_scores,
+            custom_tables, steps, threads,
+        )  # fmt: skip
+
+
+def _lookup_train_tiers(
+    tables: Sequence[KVTable],
+    layout: GroupLayout,
+    storage: TableStorage,
+    row_offsets: Sequence[int],
+    ids: torch.Tensor,
+    table_idx: torch.Tensor,
+    custom_scores: torch.Tensor | None,
+    custom_tables: Sequence[bool] | None,
+    steps: torch.Tensor,
+    threads: int,
+) -> GroupLookup:
+    """``lookup_train_tiers`` with torch's threads at one; ``threads``: the caller's."""
     T = len(tables)
     ids = ids.contiguous()
     device = ids.device
@@ -221,7 +269,7 @@ def lookup_train_tiers(
         tables[t].reserve_batch(fetched.misses)  # every eviction makes room for a missed id
         return fetched
 
-    fetched = _per_table(fetch, T)
+    fetched = _per_table(fetch, T, threads)
     for table in tables:  # ``steps`` is their clocks' step row: the kernel reads it
         table.advance_step()
     if triton:
@@ -231,7 +279,15 @@ def lookup_train_tiers(
         )  # fmt: skip
     else:
         out = _native_pass(
-            layout, storage, ids, table_idx, steps, custom_scores, custom_tables, fetched
+            layout,
+            storage,
+            ids,
+            table_idx,
+            steps,
+            custom_scores,
+            custom_tables,
+            fetched,
+            threads,
         )
     flags = out.unique_flags
     unique_index = out.unique_index
@@ -324,7 +380,7 @@ def lookup_train_tiers(
     # The tiers' work (host arrays, files) and the memory rows' (the group's arrays)
     # touch different memory: for several tables with threads, the tiers' runs
     # beside the calling thread, which writes the promoted and new rows.
-    tiers_done = _beside(to_tier, T)
+    tiers_done = _beside(to_tier, T, threads)
     try:
         if up is not None:
             scatter_up(storage.weights, storage.state, *up)

@@ -78,8 +78,8 @@ def gather_down(weights: torch.Tensor, state: torch.Tensor, slots: torch.Tensor)
     # CUDA twins ran with is the concatenation).
     if weights.dtype == state.dtype == torch.float32 and weights.device.type == "cpu":
         rows = torch.empty(slots.numel(), dim + state.shape[1], device=weights.device)
-        torch.index_select(weights, 0, slots, out=rows[:, :dim])
-        torch.index_select(state, 0, slots, out=rows[:, dim:])
+        dispatch.gather_rows(weights, slots, rows[:, :dim])
+        dispatch.gather_rows(state, slots, rows[:, dim:])
     else:
         rows = torch.cat(
             [weights.index_select(0, slots).float(), state.index_select(0, slots).float()], dim=1

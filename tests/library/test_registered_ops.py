@@ -161,6 +161,7 @@ CASES: dict[str, Callable[[KVTableGroup], tuple]] = {
     ),  # fmt: skip
     "export_order": lambda g: (_index(g)[0], 37),
     "scatter_rows": lambda g: (torch.zeros(11, DIM), torch.tensor([3, 0, 9]), torch.rand(3, DIM)),
+    "gather_rows": lambda g: (torch.rand(11, DIM), torch.tensor([3, 0, 9]), torch.zeros(3, DIM)),
     "init_rows": lambda g: (_batch()[0], DIM, 17, False, -0.1, 0.1),
     "lookup_train_group": _train_args,
     "lookup_eval_group": lambda g: (

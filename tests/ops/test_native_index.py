@@ -188,8 +188,30 @@ def test_bulk_load_matches_bulk_load_torch(per_bucket: float, num_buckets: int) 
 
 
 # ------------------------------------------------------------ row scatter
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("width", [1, 7, 64], ids=lambda w: f"width{w}")
-def test_scatter_rows_matches_index_copy(width: int) -> None:
+def test_gather_rows_matches_index_select(width: int, threads: int) -> None:
+    """Rows of random slots (repeats included) of a wider array's column block into a
+    column block of another (row strides that are not the width), against
+    ``index_select``, the same bits on 1, 2 and 3 threads; a slot outside the array
+    is refused before anything is written."""
+    gen = torch.Generator().manual_seed(width)
+    src = torch.randn(3_001, width + 3, generator=gen)[:, 2 : 2 + width]
+    slots = torch.randint(0, 3_001, (4_099,), generator=gen)
+    base = torch.full((4_099, width + 5), -7.0)
+    out = base[:, 1 : 1 + width]
+    native.gather_rows(src, slots, out, num_threads=threads)
+    assert torch.equal(out, src.index_select(0, slots))
+    assert bool((base[:, 0] == -7).all()) and bool((base[:, 1 + width :] == -7).all())
+    before = base.clone()
+    with pytest.raises(native.NativeOpError, match="gather_rows"):
+        native.gather_rows(src, torch.tensor([5, 3_001]), out[:2])
+    assert torch.equal(base, before)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("width", [1, 7, 64], ids=lambda w: f"width{w}")
+def test_scatter_rows_matches_index_copy(width: int, threads: int) -> None:
     """Rows into random slots of a wider array's column block (a row stride that is
     not the width), against ``index_copy_``; a slot outside the array is refused
     before anything is written."""
@@ -199,7 +221,7 @@ def test_scatter_rows_matches_index_copy(width: int) -> None:
     slots = torch.randperm(3_001, generator=gen)[:2_017]
     rows = torch.randn(2_017, width, generator=gen)
     want = dest.clone().index_copy_(0, slots, rows)
-    native.scatter_rows(dest, slots, rows, num_threads=3)
+    native.scatter_rows(dest, slots, rows, num_threads=threads)
     assert torch.equal(dest, want)
     before = base.clone()
     with pytest.raises(native.NativeOpError, match="scatter_rows"):

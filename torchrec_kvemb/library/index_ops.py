@@ -1,5 +1,5 @@
 """Ops of one bucketed index and its rows: ``torch.ops.kvemb.{index_bucket, probe,
-insert, place, bulk_load, export_order, scatter_rows, init_rows}``.
+insert, place, bulk_load, export_order, scatter_rows, gather_rows, init_rows}``.
 
 Each takes contiguous int64 ids (callers make them so) and gives exactly what its
 torch path in ``torchrec_kvemb/ops/`` gives, which tests hold it to. Kernels:
@@ -15,6 +15,8 @@ bulk_load      native                            torch path (``ops/place.py``)
 export_order   native                            torch path (``ops/export_order.py``)
 scatter_rows   native (float32 rows), else       ``index_copy_``
                ``index_copy_``
+gather_rows    native (float32 rows), else       ``index_select``
+               ``index_select``
 init_rows      native (uniform), torch path      torch path (``ops/hashing.py``)
                (normal: torch's log and cos)
 =============  ================================  =====================================
@@ -195,6 +197,36 @@ scatter_rows = define(
     mutates=("dest",),
     cpu_name="native (float32 rows) / index_copy_",
     cuda_name="index_copy_",
+)
+
+
+# ------------------------------------------------------------------ gather_rows
+def _gather_rows_cpu(src: Tensor, slots: Tensor, out: Tensor) -> None:
+    if src.dtype == out.dtype == torch.float32 and src.dim() == out.dim() == 2:
+        # why native: on the package's own threads (a torch parallel op leaves its
+        # OpenMP thread spinning on the core the next native call needs), with the
+        # source rows prefetched ahead.
+        native.gather_rows(src, slots, out)
+    else:
+        torch.index_select(src, 0, slots, out=out)
+
+
+def _gather_rows_cuda(src: Tensor, slots: Tensor, out: Tensor) -> None:
+    torch.index_select(src, 0, slots, out=out)
+
+
+def _gather_rows_fake(src: Tensor, slots: Tensor, out: Tensor) -> None:
+    return None
+
+
+gather_rows = define(
+    "gather_rows",
+    _gather_rows_cpu,
+    _gather_rows_cuda,
+    _gather_rows_fake,
+    mutates=("out",),
+    cpu_name="native (float32 rows) / index_select",
+    cuda_name="index_select",
 )
 
 

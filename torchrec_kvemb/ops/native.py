@@ -266,6 +266,35 @@ def scatter_rows(
     check_status(status, "scatter_rows")
 
 
+def gather_rows(
+    src: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, num_threads: int | None = None
+) -> torch.Tensor:
+    """``torch.index_select(src, 0, slots, out=out)`` for float32 ``src [N, w]`` and
+    ``out [k, w]`` whose rows are contiguous (any row stride: ``out`` may be a column
+    block of a wider buffer); ``slots`` in ``[0, N)``. Returns ``out``."""
+    k = slots.numel()
+    for name, t in (("src", src), ("out", out)):
+        if t.dtype != torch.float32 or t.dim() != 2 or t.device.type != "cpu":
+            raise ValueError(f"native op: {name} must be a 2-D float32 CPU tensor")
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            raise ValueError(f"native op: {name}'s rows must be contiguous")
+    if out.shape != (k, src.shape[1]):
+        raise ValueError(f"native op: out must have shape ({k}, {src.shape[1]})")
+    status = library().kv_gather_rows(
+        src.data_ptr(),
+        src.shape[0],
+        src.stride(0),
+        src.shape[1],
+        tensor_ptr(slots, "slots", torch.int64, (k,)),
+        k,
+        out.data_ptr(),
+        out.stride(0),
+        threads(num_threads, k * src.shape[1]),
+    )
+    check_status(status, "gather_rows")
+    return out
+
+
 # ---------------------------------------------------------------- checksums
 def crc32(address: int, n: int, value: int = 0) -> int:
     """``zlib.crc32`` of the ``n`` bytes at ``address``, continuing ``value``."""
