@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import torch
 
+from torchrec_kvemb import huge_pages
 from torchrec_kvemb.contracts import KERNEL_METRICS, GroupLayout, InsertResult, seed_mix
 from torchrec_kvemb.native_lib import (
     BackwardArgs,
@@ -812,6 +813,10 @@ def pooled_eval(
     if out_offset is None and out_shape is not None:
         raise ValueError("pooled_eval: out_shape needs out_offset")
     out = torch.empty(shape)
+    # Why: a large output the allocator maps afresh faults in page by page as the
+    # kernel writes it; on 2 MB pages a 10.5 MB piece of a sequence eval faulted
+    # ~5x fewer pages (docs/benchmarks.md, sequence eval).
+    huge_pages.advise(out)
     hits = torch.empty(T, dtype=torch.int64)
     seen = torch.empty(T, dtype=torch.int64)
     if mean_of_bag is not None:

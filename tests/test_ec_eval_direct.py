@@ -1,0 +1,154 @@
+"""An eager CPU evaluation runs ``kvemb::pooled_eval_group``'s CPU kernel without the
+dispatcher's Python layers (``dispatch._plain_eager_cpu``): the same bits as the
+registered op and as the torch path, for 1, 2 and 3 threads; the profiler still
+names the op; under a dispatch mode, the op goes through the dispatcher; a large
+output is asked for 2 MB pages and holds the same values."""
+
+import pytest
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch.utils._python_dispatch import TorchDispatchMode
+from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_kvemb import KVEmbeddingCollection, KVTableOptions, dispatch, huge_pages, library
+from torchrec_kvemb.backend import ENV_VAR
+from torchrec_kvemb.ops import native
+
+DIM = 7
+KEYS = ("h", "skip", "c", "u")
+BAGS = 1_001  # per key: three keys of ~4.5k ids, several 4096-id tasks a call
+
+
+def _ec() -> KVEmbeddingCollection:
+    configs = [
+        EmbeddingConfig(name="items", embedding_dim=DIM, num_embeddings=10**9,
+                        feature_names=["h", "c"]),
+        EmbeddingConfig(name="users", embedding_dim=DIM, num_embeddings=10**9,
+                        feature_names=["u"]),
+    ]  # fmt: skip
+    options = {
+        "items": KVTableOptions(capacity=3_000, seed=3, init_low=-0.1, init_high=0.1),
+        "users": KVTableOptions(capacity=1_000, init_low=-0.1, init_high=0.1),
+    }
+    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1}
+    return KVEmbeddingCollection(configs, options, fused_params=fused)
+
+
+def _kjt(seed: int) -> KeyedJaggedTensor:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 10, (len(KEYS) * BAGS,), generator=gen)
+    values = torch.randint(0, 5_000, (int(lengths.sum()),), generator=gen)
+    return KeyedJaggedTensor.from_lengths_sync(keys=list(KEYS), values=values, lengths=lengths)
+
+
+def _trained() -> KVEmbeddingCollection:
+    ec = _ec()
+    for step in range(2):
+        out = ec(_kjt(step))
+        rows = torch.cat([jt.values() for jt in out.values()])
+        rows.backward(torch.randn(rows.shape, generator=torch.Generator().manual_seed(step)))
+    return ec.eval()
+
+
+def _eval(ec: KVEmbeddingCollection, kjt: KeyedJaggedTensor) -> tuple[dict, dict]:
+    """The rows of each output, and each table's hits and misses in this evaluation."""
+    before = ec.metrics()
+    with torch.no_grad():
+        out = ec(kjt)
+    after = ec.metrics()
+    counts = {t: {k: after[t][k] - before[t][k] for k in ("hits", "misses")} for t in after}
+    return {k: jt.values().clone() for k, jt in out.items()}, counts
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_direct_kernel_equals_the_op_and_the_torch_path(monkeypatch, threads):
+    ec = _trained()
+    kjt = _kjt(10)
+    kernel = library.cpu_kernel("pooled_eval_group")
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return kernel(*args)
+
+    monkeypatch.setitem(library.registry._CPU_KERNELS, "pooled_eval_group", counted)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        monkeypatch.setenv(ENV_VAR, "torch")
+        want, want_counts = _eval(ec, kjt)
+        assert not calls
+        monkeypatch.setenv(ENV_VAR, "auto")
+        got, got_counts = _eval(ec, kjt)
+        direct_calls = len(calls)
+        assert direct_calls >= 1, "the eager evaluation did not call the CPU kernel directly"
+        monkeypatch.setattr(dispatch, "_plain_eager_cpu", lambda ids: False)
+        via_op, op_counts = _eval(ec, kjt)
+        assert len(calls) == direct_calls  # through the dispatcher, not the direct call
+    finally:
+        torch.set_num_threads(previous)
+    assert list(got) == list(want) == list(via_op)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+        assert torch.equal(via_op[name], want[name]), name
+    assert got_counts == want_counts == op_counts
+    missing = [v for v in got.values() if v.numel() and bool((v == 0).all(dim=1).any())]
+    found = [v for v in got.values() if v.numel() and bool((v != 0).any(dim=1).any())]
+    assert missing and found, "the batch must hold ids with and without rows"
+
+
+def test_the_profiler_still_names_the_op(monkeypatch):
+    ec = _trained()
+    with torch.no_grad(), torch.profiler.profile() as prof:
+        ec(_kjt(10))
+    names = {event.name for event in prof.events()}
+    assert "kvemb::pooled_eval_group" in names
+
+
+def test_a_dispatch_mode_sees_the_op(monkeypatch):
+    """Under a dispatch mode (FakeTensor, export, op counters) the dispatcher runs."""
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    ec = _trained()
+    kjt = _kjt(10)
+    want, _ = _eval(ec, kjt)
+    with Seen() as seen:
+        got, _ = _eval(ec, kjt)
+    assert any("kvemb.pooled_eval_group" in op for op in seen.ops), sorted(set(seen.ops))
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.skipif(not huge_pages.supported(), reason="no transparent huge pages here")
+def test_a_large_output_is_on_huge_pages_with_the_same_rows(monkeypatch):
+    """An output of at least ``huge_pages.MIN_BYTES`` is advised before it is written,
+    and holds what an output too small to be advised holds (the ids' rows)."""
+    monkeypatch.setenv("TORCHREC_KVEMB_HUGE_PAGES", "1")
+    ec = _trained()
+    group = ec._lookup.groups[0]
+    layout, storage = group.layout, group.storage
+    n = huge_pages.MIN_BYTES // (4 * DIM) + 3
+    ids = torch.randint(0, 5_000, (n,), generator=torch.Generator().manual_seed(5))
+    table_of_bag = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(6))
+
+    def rows(lo: int, hi: int) -> torch.Tensor:
+        out, _, _ = native.pooled_eval(
+            storage.keys, layout.bucket_offset, layout.num_buckets, storage.weights,
+            ids[lo:hi], None, table_of_bag[lo:hi], num_threads=3, unpooled=True,
+        )  # fmt: skip
+        return out
+
+    big = rows(0, n)
+    assert big.shape == (n, DIM) and huge_pages.advised(big)
+    small = torch.cat([rows(lo, min(lo + 1_001, n)) for lo in range(0, n, 1_001)])
+    assert torch.equal(big, small)
+    assert bool((big != 0).any(dim=1).any()) and bool((big == 0).all(dim=1).any())
