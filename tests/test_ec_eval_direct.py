@@ -11,7 +11,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_kvemb import KVEmbeddingCollection, KVTableOptions, dispatch, huge_pages, library
+from torchrec_kvemb import (
+    KVEmbeddingCollection,
+    KVTableOptions,
+    dispatch,
+    huge_pages,
+    library,
+    sequence_lookup,
+)
 from torchrec_kvemb.backend import ENV_VAR
 from torchrec_kvemb.ops import native
 
@@ -68,9 +75,9 @@ def test_direct_kernel_equals_the_op_and_the_torch_path(monkeypatch, threads):
     kernel = library.cpu_kernel("pooled_eval_group")
     calls = []
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         calls.append(1)
-        return kernel(*args)
+        return kernel(*args, **kwargs)
 
     monkeypatch.setitem(library.registry._CPU_KERNELS, "pooled_eval_group", counted)
     previous = torch.get_num_threads()
@@ -152,3 +159,34 @@ def test_a_large_output_is_on_huge_pages_with_the_same_rows(monkeypatch):
     small = torch.cat([rows(lo, min(lo + 1_001, n)) for lo in range(0, n, 1_001)])
     assert torch.equal(big, small)
     assert bool((big != 0).any(dim=1).any()) and bool((big == 0).all(dim=1).any())
+
+
+def test_pieces_reuse_released_memory_and_never_overwrite_held_outputs(monkeypatch):
+    """A batch in pieces writes into the last batch's memory once nothing holds it;
+    an output still held (or a view of it) keeps its rows while later batches run."""
+    monkeypatch.setattr(sequence_lookup, "EVAL_PIECE_BYTES", DIM * 4 * 3_000)  # 3 pieces
+    ec = _trained()
+    first, second = _kjt(10), _kjt(11)
+    monkeypatch.setenv(ENV_VAR, "torch")
+    want_first, _ = _eval(ec, first)
+    want_second, _ = _eval(ec, second)
+    monkeypatch.setenv(ENV_VAR, "auto")
+
+    def pointers(out: dict) -> set[int]:
+        return {jt.values().data_ptr() for jt in out.values() if jt.values().numel()}
+
+    with torch.no_grad():
+        held = ec(first)
+        view = held["c"].values()[1:]
+        again = ec(second)  # ``held`` is alive: other memory
+        assert not pointers(held) & pointers(again)
+        again_pointers = pointers(again)
+        del again
+        reused = ec(second)  # into the memory ``again`` let go
+        assert pointers(reused) == again_pointers
+        assert not pointers(held) & pointers(reused)
+    for name in want_first:
+        assert torch.equal(held[name].values(), want_first[name]), name
+        assert torch.equal(reused[name].values(), want_second[name]), name
+    assert torch.equal(view, want_first["c"][1:])
+    assert ec._lookup._outputs.nbytes() > 0

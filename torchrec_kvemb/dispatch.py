@@ -300,19 +300,23 @@ def group_pooled_eval(
     out_shape: tuple[int, int],
     metrics: torch.Tensor,
     unpooled: bool = False,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A group's evaluation batch, probed and pooled by ``kvemb::pooled_eval_group``
-    (see ``KVTableGroup.pooled_eval``); hits and misses add to ``metrics``."""
+    (see ``KVTableGroup.pooled_eval``); hits and misses add to ``metrics``. ``into``:
+    memory the output may be written into, where the CPU kernel runs directly (an
+    op's output cannot be an input); the result is the returned tensor."""
     op = registered("pooled_eval_group", ids.device)
     if op is None:
         raise RuntimeError("group_pooled_eval: the torch path is KVTableGroup.pooled_eval's own")
-    if op is torch.ops.kvemb.pooled_eval_group and _plain_eager_cpu(ids):
-        op = _traced_cpu_kernel("pooled_eval_group")
-    return op(
+    args = (
         storage.keys, layout.bucket_offset, layout.num_buckets, storage.weights, ids, offsets,
         table_of_bag, per_sample_weights, mean_of_bag, bag_list, out_offset, *out_shape,
         *_init_tensors(layout), metrics, unpooled,
     )  # fmt: skip
+    if op is torch.ops.kvemb.pooled_eval_group and _plain_eager_cpu(ids):
+        return _traced_cpu_kernel("pooled_eval_group")(*args, into=into)
+    return op(*args)
 
 
 def _plain_eager_cpu(ids: torch.Tensor) -> bool:
@@ -334,11 +338,11 @@ def _traced_cpu_kernel(name: str) -> Callable[..., Any]:
     (a sequence eval step of 4 keys makes 4 calls)."""
     kernel = library.cpu_kernel(name)
 
-    def run(*args: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.autograd.profiler._is_profiler_enabled:
-            return kernel(*args)
+            return kernel(*args, **kwargs)
         with torch.profiler.record_function(f"{library.NAMESPACE}::{name}"):
-            return kernel(*args)
+            return kernel(*args, **kwargs)
 
     return run
 
