@@ -190,3 +190,41 @@ def test_pieces_reuse_released_memory_and_never_overwrite_held_outputs(monkeypat
         assert torch.equal(reused[name].values(), want_second[name]), name
     assert torch.equal(view, want_first["c"][1:])
     assert ec._lookup._outputs.nbytes() > 0
+
+
+@pytest.mark.parametrize("dim", [12, 64])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_large_output_streamed_around_the_caches_holds_the_rows(monkeypatch, dim, threads):
+    """Rows of a multiple of 4 floats into an output of at least 8 MB are written by
+    non-temporal stores (csrc/pooled_forward.cpp, kStreamBytes): the same bits as
+    rows gathered by the torch path's slots, zeros for ids without a row, in a new
+    output and in a given one."""
+    configs = [
+        EmbeddingConfig(name=n, embedding_dim=dim, num_embeddings=10**9, feature_names=[n])
+        for n in ("a", "b")
+    ]
+    ec = KVEmbeddingCollection(configs, KVTableOptions(capacity=2_000, seed=1))
+    gen = torch.Generator().manual_seed(dim)
+    seen = torch.randint(0, 3_000, (2 * 997,), generator=gen)
+    ec(KeyedJaggedTensor.from_lengths_sync(["a", "b"], seen, torch.full((2,), 997)))
+    group = ec._lookup.groups[0]
+    layout, storage = group.layout, group.storage
+    n = (8 << 20) // (4 * dim) + 1_001  # just above the 8 MB line
+    ids = torch.randint(0, 4_000, (n,), generator=gen)
+    table = torch.randint(0, 2, (n,), generator=gen)
+    monkeypatch.setenv(ENV_VAR, "torch")
+    slots = group.lookup_eval(ids, table)
+    want = torch.where((slots >= 0)[:, None], storage.weights[slots.clamp(min=0)], 0.0)
+    assert bool((slots < 0).any()) and bool((slots >= 0).any())
+    args = (storage.keys, layout.bucket_offset, layout.num_buckets, storage.weights)
+    fresh, _, _ = native.pooled_eval(*args, ids, None, table, num_threads=threads, unpooled=True)
+    into = torch.full((n, dim), float("nan"))
+    given, _, _ = native.pooled_eval(
+        *args, ids, None, table, num_threads=threads, unpooled=True, into=into
+    )
+    small, _, _ = native.pooled_eval(  # under the line: cached stores
+        *args, ids[:999], None, table[:999], num_threads=threads, unpooled=True
+    )
+    assert given.data_ptr() == into.data_ptr()
+    assert torch.equal(fresh, want) and torch.equal(given, want)
+    assert torch.equal(small, want[:999])
