@@ -328,6 +328,7 @@ class KVTableGroup:
         out_offset: torch.Tensor | None = None,
         out_shape: tuple[int, int] | None = None,
         unpooled: bool = False,
+        into: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """An evaluation batch, read-only: the pooled rows of the bags cut by ``offsets``
         (ids without a row pool zeros; ``table_of_bag``: the table of each bag's ids,
@@ -339,13 +340,15 @@ class KVTableGroup:
 
         One fused probe-and-pool call (``kvemb::pooled_eval_group``) where the group
         has one; tables with SSD tiers, a lone table's group and the torch path look
-        up (``lookup_eval``), then pool (``pooled_forward`` / ``rows_forward``)."""
+        up (``lookup_eval``), then pool (``pooled_forward`` / ``rows_forward``).
+        ``into``: memory the output may be written into (where the native kernel runs
+        directly, ``dispatch.group_pooled_eval``); the result is the returned tensor."""
         if self.pad is None and not self.per_table_only and self.backend(ids.device) != "torch":
             bags = ids.shape[0] if offsets is None or unpooled else offsets.shape[0] - 1
             shape = out_shape if out_offset is not None else (bags, self.dim)
             return dispatch.group_pooled_eval(
                 self.layout, self.storage, ids, offsets, table_of_bag, per_sample_weights,
-                mean_of_bag, bag_list, out_offset, shape, self.metrics, unpooled,
+                mean_of_bag, bag_list, out_offset, shape, self.metrics, unpooled, into,
             )  # fmt: skip
         n = ids.shape[0]
         if offsets is None or unpooled:

@@ -68,13 +68,15 @@ def pooled_eval(
     out_offset: torch.Tensor | None = None,
     out_shape: tuple[int, int] | None = None,
     unpooled: bool = False,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """An evaluation batch of the group (read-only), probed and pooled in one call
     where the group has one: ids without a row pool zeros; bag ``b``'s row at flat
     offset ``out_offset[b]`` of a new ``out_shape`` tensor, or ``[B, dim]``;
-    ``offsets`` None or ``unpooled``: every id's row, ``[n, dim]``
+    ``offsets`` None or ``unpooled``: every id's row, ``[n, dim]``; ``into``: memory
+    the output may be written into, the result being the returned tensor
     (``KVTableGroup.pooled_eval``)."""
     return group.pooled_eval(
         ids, offsets, table_of_bag, per_sample_weights, mean_of_bag, bag_list, out_offset,
-        out_shape, unpooled,
+        out_shape, unpooled, into,
     )  # fmt: skip

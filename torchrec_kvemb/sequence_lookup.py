@@ -34,6 +34,7 @@ from torchrec_kvemb.bag_lookup import KVBagLookup, bag_offsets
 from torchrec_kvemb.bag_plan import expand_bags
 from torchrec_kvemb.contracts import Bags, run_of_each
 from torchrec_kvemb.lookup import pooled_eval, pooled_train
+from torchrec_kvemb.reused_outputs import ReusedOutputs
 from torchrec_kvemb.validation import KVInputError
 
 #: The largest rows output (bytes) one evaluation call of a sequence lookup makes:
@@ -52,6 +53,8 @@ class KVSequenceLookup(KVBagLookup):
         super().__init__(*args, **kwargs)
         #: The key each (table, feature) reads, by the batch's key order.
         self._sources_of: dict[tuple[str, ...], list[int]] = {}
+        #: The evaluation pieces' output memory, reused once the caller let it go.
+        self._outputs = ReusedOutputs()
 
     def embeddings(
         self,
@@ -151,7 +154,9 @@ class KVSequenceLookup(KVBagLookup):
     def _eval_by_key(self, features: KeyedJaggedTensor) -> list[torch.Tensor]:
         """Every key's rows ``[ids of the key, dim]`` (zeros for ids without a row), in
         KJT key order, each key's ids in one fused call with the keys beside it, up to
-        ``EVAL_PIECE_BYTES`` of rows a call (a key above it alone)."""
+        ``EVAL_PIECE_BYTES`` of rows a call (a key above it alone), written into the
+        memory of the last batch's piece where nothing holds it any more (why:
+        ``reused_outputs``)."""
         ids, lengths, _ = self._checked(features)
         plan = self._plan(features.keys(), features.stride())
         group, table_of_bag = self.groups[0], plan.table_of_bag[0]
@@ -165,6 +170,7 @@ class KVSequenceLookup(KVBagLookup):
         for n in ids_per_key:
             id_starts.append(id_starts[-1] + n)
         out: list[torch.Tensor] = []
+        cpu = ids.device.type == "cpu"
         first = 0
         while first < len(ids_per_key):
             last = first + 1  # keys [first, last) in this call
@@ -178,9 +184,10 @@ class KVSequenceLookup(KVBagLookup):
                 rows = torch.zeros(0, dim, device=ids.device)
             else:
                 b_lo, b_hi = bag_starts[first], bag_starts[last]
+                into = self._outputs.take(len(out), (hi - lo, dim)) if cpu else None
                 rows = pooled_eval(group, ids[lo:hi], offsets[b_lo : b_hi + 1] - lo,
                                    table_of_bag[b_lo:b_hi], None, None, none,
-                                   unpooled=True)  # fmt: skip
+                                   unpooled=True, into=into)  # fmt: skip
             out.extend(rows.split(ids_per_key[first:last]))
             first = last
         return out

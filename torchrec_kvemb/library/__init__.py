@@ -19,6 +19,14 @@ Example::
 """
 
 from torchrec_kvemb.library import bucketize_op, group_ops, index_ops
-from torchrec_kvemb.library.registry import NAMESPACE, cuda_kernel, kernel_names
+from torchrec_kvemb.library.registry import NAMESPACE, cpu_kernel, cuda_kernel, kernel_names
 
-__all__ = ["NAMESPACE", "bucketize_op", "cuda_kernel", "group_ops", "index_ops", "kernel_names"]
+__all__ = [
+    "NAMESPACE",
+    "bucketize_op",
+    "cpu_kernel",
+    "cuda_kernel",
+    "group_ops",
+    "index_ops",
+    "kernel_names",
+]

@@ -268,13 +268,15 @@ def _opt(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.contiguous()
 
 
-def _pooled_eval_cpu(*args: object) -> Tensor:
+def _pooled_eval_cpu(*args: object, into: Tensor | None = None) -> Tensor:
+    """The CPU kernel; ``into`` (never passed by the dispatcher, see
+    ``dispatch.group_pooled_eval``): memory to write the output into."""
     a = EvalArgs(*args)
     out, hits, seen = native.pooled_eval(
         a.keys, a.bucket_offset, a.num_buckets, a.weights, a.ids.contiguous(), _opt(a.offsets),
         a.table_of_bag.contiguous(), _opt(a.per_sample_weights), _opt(a.mean_of_bag),
         _opt(a.out_offset), a.out_shape() if a.out_offset is not None else None,
-        num_threads=torch.get_num_threads(), unpooled=a.unpooled,
+        num_threads=torch.get_num_threads(), unpooled=a.unpooled, into=into,
     )  # fmt: skip
     a.metrics[:, 0] += hits
     a.metrics[:, 1] += seen - hits

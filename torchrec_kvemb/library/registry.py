@@ -25,6 +25,7 @@ import torch
 NAMESPACE = "kvemb"
 
 _CUDA_KERNELS: dict[str, Callable[..., Any]] = {}
+_CPU_KERNELS: dict[str, Callable[..., Any]] = {}
 _KERNEL_NAMES: dict[str, dict[str, str]] = {}
 
 
@@ -80,6 +81,7 @@ def define(
     op.register_kernel("cuda", cuda)
     op.register_fake(fake)
     _CUDA_KERNELS[name] = cuda
+    _CPU_KERNELS[name] = cpu
     _KERNEL_NAMES[name] = {"cpu": cpu_name, "cuda": cuda_name}
     return op
 
@@ -87,6 +89,11 @@ def define(
 def cuda_kernel(name: str) -> Callable[..., Any]:
     """The CUDA kernel of ``kvemb::name`` (Triton), callable on any device's tensors."""
     return _CUDA_KERNELS[name]
+
+
+def cpu_kernel(name: str) -> Callable[..., Any]:
+    """The CPU kernel of ``kvemb::name``: what the dispatcher runs on CPU tensors."""
+    return _CPU_KERNELS[name]
 
 
 def kernel_names() -> dict[str, dict[str, str]]:

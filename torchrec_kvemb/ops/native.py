@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import torch
 
+from torchrec_kvemb import huge_pages
 from torchrec_kvemb.contracts import KERNEL_METRICS, GroupLayout, InsertResult, seed_mix
 from torchrec_kvemb.native_lib import (
     BackwardArgs,
@@ -814,6 +815,7 @@ def pooled_eval(
     out_shape: tuple[int, int] | None = None,
     num_threads: int | None = None,
     unpooled: bool = False,
+    into: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused eval lookup of a group: probe and pool in one pass, ``(out, hits
     [T], seen [T])``.
@@ -826,7 +828,9 @@ def pooled_eval(
     ``out``: ``out_shape`` float32 with bag ``b``'s row at flat offset
     ``out_offset[b]`` (-1: a bag not written), or ``[B, dim]``. ``hits`` /
     ``seen``: ids of each table found / looked up. ``unpooled``: no pooling, each
-    id's row (``[n, dim]``; the bags give each id's table only)."""
+    id's row (``[n, dim]``; the bags give each id's table only). ``into``: a
+    contiguous float32 CPU tensor of ``out``'s shape to write ``out`` into (every
+    element is written), instead of a new one."""
     T = bucket_offset.numel()
     n = ids.numel()
     num_bags = n if offsets is None else offsets.numel() - 1
@@ -834,7 +838,17 @@ def pooled_eval(
     shape = out_shape if out_shape is not None else (n if unpooled else max(num_bags, 0), dim)
     if out_offset is None and out_shape is not None:
         raise ValueError("pooled_eval: out_shape needs out_offset")
-    out = torch.empty(shape)
+    if into is not None:
+        if into.dtype != torch.float32 or into.device.type != "cpu" or not into.is_contiguous():
+            raise ValueError("pooled_eval: into must be a contiguous float32 CPU tensor")
+        if tuple(into.shape) != tuple(shape) or out_offset is not None:
+            raise ValueError(f"pooled_eval: into has shape {tuple(into.shape)}, expected {shape}")
+    out = into if into is not None else torch.empty(shape)
+    # Why: a large output the allocator maps afresh faults in page by page as the
+    # kernel writes it; on 2 MB pages a 10.5 MB piece of a sequence eval faulted
+    # ~5x fewer pages (docs/benchmarks.md, sequence eval).
+    if into is None:
+        huge_pages.advise(out)
     hits = torch.empty(T, dtype=torch.int64)
     seen = torch.empty(T, dtype=torch.int64)
     if mean_of_bag is not None:
