@@ -4,9 +4,8 @@ An asynchronous save writes while training runs on every core. Its threads run
 at Linux's ``SCHED_IDLE`` policy, which gives a core to them only when nothing
 else wants it: a training thread that wakes takes the core back at once. At nice
 19 (the lowest ordinary priority) the scheduler may let a running writer finish
-its slice first; beside 2-thread training steps on 2 cores the steps ran at
-0.6x-0.8x of their rate with the writer at nice 19 and at about 1.0x with it
-idle (docs/benchmarks.md, "Asynchronous checkpoints").
+its slice first. Measured beside 2-thread training steps on 2 cores, so far only
+with other jobs on the machine: docs/benchmarks.md, "Asynchronous checkpoints".
 
 An idle thread can starve while training keeps every core busy. A watchdog (a
 thread at the caller's priority) reads the save threads' run-queue wait
