@@ -12,7 +12,12 @@
 // Bytes before and after the 16-byte multiples go through a 256-entry table.
 // Elsewhere only the table runs, slower than zlib's own code: callers ask
 // kv_crc32_folds() and keep zlib where it says 0 (ops/checksum.py).
+//
+// kv_crc32_copy does the same while copying the bytes to another buffer, in one
+// pass over them (a checkpoint's writer fills its O_DIRECT buffer so: the rows
+// are read from memory once, not once for the copy and once for the CRC).
 #include <cstdint>
+#include <cstring>
 
 #include "kvemb_native.h"
 
@@ -62,25 +67,45 @@ __attribute__((target("pclmul,sse4.1"))) inline __m128i load(const uint8_t* p) {
   return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
 }
 
-// The register after n bytes (n >= 64, a multiple of 16).
+// Where the bytes go besides the CRC: nowhere, or a copy with non-temporal
+// stores (16-byte aligned destination): a checkpoint's write buffer is read
+// next by the disk, not the CPU, so its lines need not push the training's out
+// of the caches.
+enum class Store { kNone, kStream };
+
+template <Store kStore>
+__attribute__((target("pclmul,sse4.1"))) inline __m128i put(uint8_t* dst, __m128i v) {
+  if constexpr (kStore == Store::kStream) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst), v);
+  }
+  return v;
+}
+
+// The register after n bytes (n >= 64, a multiple of 16), stored to dst as read.
+template <Store kStore>
 __attribute__((target("pclmul,sse4.1"))) uint32_t crc_fold(uint32_t state, const uint8_t* p,
-                                                             int64_t n) {
+                                                             int64_t n, uint8_t* dst) {
   const __m128i by4 = _mm_set_epi64x(kX480, kX544);
   const __m128i by1 = _mm_set_epi64x(kX96, kX160);
-  __m128i x0 = _mm_xor_si128(load(p), _mm_cvtsi32_si128(static_cast<int>(state)));
-  __m128i x1 = load(p + 16), x2 = load(p + 32), x3 = load(p + 48);
+  __m128i x0 = _mm_xor_si128(put<kStore>(dst, load(p)),
+                             _mm_cvtsi32_si128(static_cast<int>(state)));
+  __m128i x1 = put<kStore>(dst + 16, load(p + 16));
+  __m128i x2 = put<kStore>(dst + 32, load(p + 32));
+  __m128i x3 = put<kStore>(dst + 48, load(p + 48));
   p += 64;
+  dst += 64;
   n -= 64;
-  for (; n >= 64; p += 64, n -= 64) {
-    x0 = fold(x0, by4, load(p));
-    x1 = fold(x1, by4, load(p + 16));
-    x2 = fold(x2, by4, load(p + 32));
-    x3 = fold(x3, by4, load(p + 48));
+  for (; n >= 64; p += 64, dst += 64, n -= 64) {
+    x0 = fold(x0, by4, put<kStore>(dst, load(p)));
+    x1 = fold(x1, by4, put<kStore>(dst + 16, load(p + 16)));
+    x2 = fold(x2, by4, put<kStore>(dst + 32, load(p + 32)));
+    x3 = fold(x3, by4, put<kStore>(dst + 48, load(p + 48)));
   }
   x0 = fold(x0, by1, x1);
   x0 = fold(x0, by1, x2);
   x0 = fold(x0, by1, x3);
-  for (; n >= 16; p += 16, n -= 16) x0 = fold(x0, by1, load(p));
+  for (; n >= 16; p += 16, dst += 16, n -= 16) x0 = fold(x0, by1, put<kStore>(dst, load(p)));
+  if constexpr (kStore == Store::kStream) _mm_sfence();
   // 128 -> 64 bits: the low half times x^96 onto the high half.
   x0 = _mm_xor_si128(_mm_srli_si128(x0, 8), _mm_clmulepi64_si128(x0, by1, 0x10));
   // 64 -> 32 bits (plus 32 zero bits appended): the low 32 times x^64.
@@ -115,11 +140,41 @@ extern "C" int kv_crc32(const uint8_t* data, int64_t n, uint32_t crc, uint32_t* 
   static const bool folds = cpu_folds();
   if (folds && n >= 64) {
     const int64_t bulk = n & ~int64_t{15};
-    state = crc_fold(state, data, bulk);
+    state = crc_fold<Store::kNone>(state, data, bulk, nullptr);
     data += bulk;
     n -= bulk;
   }
 #endif
   *out = ~crc_table(state, data, n);
+  return KV_OK;
+}
+
+extern "C" int kv_crc32_copy(uint8_t* dst, const uint8_t* src, int64_t n, uint32_t crc,
+                             uint32_t* out) {
+  if (n < 0 || (n > 0 && (dst == nullptr || src == nullptr)) || out == nullptr) {
+    return KV_BAD_ARGUMENT;
+  }
+  if (n > 0 && dst < src + n && src < dst + n) return KV_BAD_ARGUMENT;  // overlapping
+  uint32_t state = ~crc;
+#ifdef KV_CRC_FOLD
+  static const bool folds = cpu_folds();
+  // The bytes before dst's next 16-byte boundary go through the table, so that
+  // the bulk can be stored non-temporally.
+  const int64_t head = static_cast<int64_t>(-reinterpret_cast<uintptr_t>(dst) & 15);
+  if (folds && n >= 64 + head) {
+    std::memcpy(dst, src, static_cast<size_t>(head));
+    state = crc_table(state, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    const int64_t bulk = n & ~int64_t{15};
+    state = crc_fold<Store::kStream>(state, src, bulk, dst);
+    dst += bulk;
+    src += bulk;
+    n -= bulk;
+  }
+#endif
+  if (n > 0) std::memcpy(dst, src, static_cast<size_t>(n));
+  *out = ~crc_table(state, src, n);
   return KV_OK;
 }

@@ -17,7 +17,7 @@ extern "C" {
 
 // Bump on any change of a signature or struct below; native.py refuses a
 // library whose version differs (a stale build).
-#define KV_ABI_VERSION 12
+#define KV_ABI_VERSION 13
 
 enum KvStatus {
   KV_OK = 0,
@@ -351,6 +351,9 @@ int kv_crc32(const uint8_t* data, int64_t n, uint32_t crc, uint32_t* out);
 // 1 where kv_crc32 folds with carry-less multiplies (x86-64 with PCLMULQDQ),
 // else 0 (a byte-wise table, slower than zlib).
 int kv_crc32_folds(void);
+// kv_crc32 of src[0, n) while copying it to dst[0, n) (not overlapping), in one
+// pass; where kv_crc32_folds(), the bulk is stored non-temporally.
+int kv_crc32_copy(uint8_t* dst, const uint8_t* src, int64_t n, uint32_t crc, uint32_t* out);
 
 #ifdef __cplusplus
 }

@@ -35,7 +35,7 @@ from torchrec_kvemb.validation import KVInputError
 #: The shared library's extension name (setup.py builds csrc/ into it).
 LIBRARY = "torchrec_kvemb._kvemb_native"
 #: Must equal KV_ABI_VERSION in csrc/kvemb_native.h.
-ABI_VERSION = 12
+ABI_VERSION = 13
 
 _OK, _BAD_TABLE, _NEGATIVE_ID, _OUT_OF_MEMORY, _BAD_ARGUMENT = range(5)
 
@@ -269,6 +269,7 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
     lib.kv_export_order.argtypes = [_PTR, _I64, ctypes.c_uint64, _I64, _I64, _PTR, _PTR, _PTR]
     lib.kv_crc32.argtypes = [_PTR, _I64, ctypes.c_uint32, _PTR]
     lib.kv_crc32_folds.argtypes = []
+    lib.kv_crc32_copy.argtypes = [_PTR, _PTR, _I64, ctypes.c_uint32, _PTR]
     lib.kv_pool_stats.argtypes = [_PTR]
     lib.kv_pool_selftest.argtypes = [_I64, _I64, _I64, _I64, _PTR, _PTR]
     lib.kv_set_f16c.argtypes = [_I64]
@@ -290,6 +291,7 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
         lib.kv_export_order,
         lib.kv_crc32,
         lib.kv_crc32_folds,
+        lib.kv_crc32_copy,
         lib.kv_pool_stats,
         lib.kv_pool_selftest,
         lib.kv_cpu_has_avx2,

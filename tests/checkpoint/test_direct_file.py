@@ -9,6 +9,7 @@ import fcntl
 import io
 import os
 import random
+import zlib
 
 import pytest
 
@@ -144,3 +145,29 @@ def test_the_io_protocol(tmp_path):
     f.close()
     f.close()  # twice is fine
     assert f.closed
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "plain"])
+def test_write_crc32_writes_the_bytes_and_returns_zlibs_crc(tmp_path, direct):
+    """Appends of odd sizes (the buffer filled and written out between them), an
+    overwrite behind the buffer and one inside it: the file holds the bytes and each
+    call returns zlib's CRC of what it was given, continued."""
+    path = tmp_path / "f.bin"
+    rng = random.Random(3)
+    f = DirectFile(_direct_fd(path), buffer_bytes=2 * ALIGN) if direct else PlainFile(path, "wb")
+    expected, crc, want = bytearray(), 0, 0
+    for n in (1, 77, 4097, 3 * ALIGN + 5, 9001, 0, 64, 5000):
+        data = rng.randbytes(n)
+        crc = f.write_crc32(memoryview(bytearray(data)), crc)
+        want = zlib.crc32(data, want)
+        expected += data
+        assert crc == want and f.tell() == len(expected)
+    for at in (5, len(expected) - 100):  # behind the buffer, then inside it
+        data = rng.randbytes(40)
+        f.seek(at)
+        assert f.write_crc32(data, 7) == zlib.crc32(data, 7)
+        f.seek(len(expected))
+        expected[at : at + 40] = data
+    f.finish(sync=True)
+    f.close()
+    assert path.read_bytes() == expected

@@ -20,20 +20,19 @@ Rules:
   collectives at a time, in the same order on every rank.
 * The snapshot's KV rows (tables in CPU memory) go into staging buffers kept for
   the next save (:func:`release_buffers`); the writing thread and the threads it
-  starts run at the lowest CPU priority (:func:`lowest_priority`).
+  starts run at ``SCHED_IDLE``, raised to nice 19 if training starves them
+  (:mod:`.priority`).
 
 Example::
 
-    pending = start("/ckpt/step_10", write)   # write() runs on a background thread
+    pending = start("/ckpt/step_10", write)   # write(priority) runs on a background thread
     pending.done()                            # False while it runs
     pending.result()                          # waits; CheckpointError on failure
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -46,6 +45,7 @@ import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.tensor import DTensor
 
+from torchrec_kvemb.checkpoint.priority import SavePriority, set_nice_19
 from torchrec_kvemb.state_dict.checks import CheckpointError
 from torchrec_kvemb.state_dict.deferred import DeferredEntries, DeferredEntry
 
@@ -80,6 +80,7 @@ class AsyncCheckpoint:
         self.path = path
         self._future: Future[None] = Future()
         self._observed = False
+        self._priority: SavePriority | None = None
 
     def done(self) -> bool:
         """Whether the save has finished, successfully or not (never waits)."""
@@ -117,17 +118,20 @@ _lock = threading.Lock()
 _pending: AsyncCheckpoint | None = None
 
 
-def start(path: str, write: Callable[[], None]) -> AsyncCheckpoint:
-    """Run ``write`` on a background thread; its failure becomes the handle's
+def start(path: str, write: Callable[[SavePriority], None]) -> AsyncCheckpoint:
+    """Run ``write(priority)`` on a background thread at the save's priority (its own
+    threads enter it with ``priority.lowered()``); its failure becomes the handle's
     :class:`CheckpointError` (any other exception is wrapped in one). The thread is
     not a daemon: an interpreter that exits waits for the save to finish."""
     global _pending
     handle = AsyncCheckpoint(path)
+    priority = SavePriority()
+    handle._priority = priority
 
     def run() -> None:
-        lowest_priority()
         try:
-            write()
+            with priority.lowered():
+                write(priority)
         except CheckpointError as e:
             handle._future.set_exception(e)
         except BaseException as e:  # noqa: BLE001 - any failure belongs to the handle
@@ -138,18 +142,20 @@ def start(path: str, write: Callable[[], None]) -> AsyncCheckpoint:
             handle._future.set_exception(error)
         else:
             handle._future.set_result(None)
+        finally:
+            priority.close()
 
     with _lock:
         _pending = handle
+    priority.watch()
     threading.Thread(target=run, name="kvemb-async-save", daemon=False).start()
     return handle
 
 
 def lowest_priority() -> None:
-    """Run the calling thread (and the threads it starts) at the lowest CPU
-    priority, where the OS allows it (Linux: a thread's own nice value)."""
-    with contextlib.suppress(AttributeError, OSError):  # refused: normal priority
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    """Run the calling thread (and the threads it starts) at the lowest ordinary CPU
+    priority, where the OS allows it (Linux: a thread's own nice value, 19)."""
+    set_nice_19()
 
 
 def wait_previous(raise_failure: bool) -> None:

@@ -13,7 +13,11 @@ writes go into a page-aligned buffer that is written out whole with
 the buffer (a record's CRC, written after its data) are written through the
 page cache when the file is finished. :func:`open_for_writing` gives one, or a
 plain buffered file where the system or file system has no ``O_DIRECT``
-(macOS, tmpfs) or refuses its first write; both hold the same bytes.
+(macOS, tmpfs) or refuses its first write; both hold the same bytes. Both
+also checksum what they write on request (:meth:`DirectFile.write_crc32`): a
+direct file copies the bytes into its buffer and checksums them in one pass
+(``ops/checksum.py``, ``crc32_copy``), with non-temporal stores where the
+CPU has them, so the buffer does not evict the training's cache lines.
 
 Example::
 
@@ -31,6 +35,8 @@ import io
 import mmap
 import os
 
+from torchrec_kvemb.ops.checksum import crc32, crc32_copy
+
 #: Bytes a direct file buffers and writes at a time (a multiple of the page size).
 BUFFER_BYTES = 8 << 20
 #: The alignment ``O_DIRECT`` needs of offsets, lengths and addresses.
@@ -44,6 +50,15 @@ class PlainFile(io.FileIO):
         """Everything written; fsync'd when ``sync``."""
         if sync:
             os.fsync(self.fileno())
+
+    def write_crc32(self, data: bytes | bytearray | memoryview, crc: int) -> int:
+        """Write all of ``data``; returns ``zlib.crc32(data, crc)``."""
+        view = memoryview(data).cast("B")
+        crc = crc32(view, crc)
+        done = 0
+        while done < len(view):
+            done += self.write(view[done:])
+        return crc
 
 
 class DirectFile(io.RawIOBase):
@@ -105,11 +120,33 @@ class DirectFile(io.RawIOBase):
             self._overwrite(self._pos, view)
             self._pos += n
             return n
+        self._append(view, None)
+        return n
+
+    def write_crc32(self, data: bytes | bytearray | memoryview, crc: int) -> int:
+        """Write all of ``data`` as :meth:`write` does; returns ``zlib.crc32(data,
+        crc)``, computed as the bytes are copied into the buffer (one pass)."""
+        view = memoryview(data).cast("B")
+        if self._pos < self._base + self._filled:
+            crc = crc32(view, crc)
+            self.write(view)
+            return crc
+        return self._append(view, crc)
+
+    # ---------------------------------------------------------- internals
+    def _append(self, view: memoryview, crc: int | None) -> int:
+        """Append ``view`` at the end; with ``crc``, returns it continued over
+        ``view`` (copied and checksummed in one pass), else 0."""
+        n = len(view)
         done = 0
         while done < n:
             room = len(self._buffer) - self._filled
             take = min(room, n - done)
-            self._buffer[self._filled : self._filled + take] = view[done : done + take]
+            into = self._buffer[self._filled : self._filled + take]
+            if crc is None:
+                into[:] = view[done : done + take]
+            else:
+                crc = crc32_copy(into, view[done : done + take], crc)
             self._filled += take
             done += take
             if self._filled == len(self._buffer):
@@ -117,7 +154,7 @@ class DirectFile(io.RawIOBase):
                 self._base += self._filled
                 self._filled = 0
         self._pos += n
-        return n
+        return crc or 0
 
     def finish(self, sync: bool) -> None:
         """Write what the buffer holds and the overwrites behind it; fsync when
@@ -149,7 +186,6 @@ class DirectFile(io.RawIOBase):
         finally:
             super().close()
 
-    # ---------------------------------------------------------- internals
     def _overwrite(self, offset: int, view: memoryview) -> None:
         if offset >= self._base:  # still in the buffer
             start = offset - self._base

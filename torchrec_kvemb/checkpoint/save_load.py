@@ -54,6 +54,7 @@ from torchrec_kvemb.checkpoint.optimizer_state import (
     saved_learning_rates,
 )
 from torchrec_kvemb.checkpoint.placement import WEIGHT, RowPlacer, TablePlacement
+from torchrec_kvemb.checkpoint.priority import SavePriority
 from torchrec_kvemb.checkpoint.reader import ParallelFileSystemReader, RowRangePlanner
 from torchrec_kvemb.checkpoint.row_stream import RowBlock, stream_rows
 from torchrec_kvemb.checkpoint.writer import RowStreamWriter
@@ -171,7 +172,12 @@ def async_save(
     state = staged(state, _fresh_keys(slots), deferred)
     threads = thread_count or ASYNC_THREADS
     rate = max_write_bytes_per_s
-    return start(path, lambda: _write(state, DeferredEntries(), path, tables, threads, group, rate))
+    return start(
+        path,
+        lambda priority: _write(
+            state, DeferredEntries(), path, tables, threads, group, rate, priority
+        ),
+    )
 
 
 def _check_rate(bytes_per_s: float | None) -> None:
@@ -210,8 +216,10 @@ def _write(
     thread_count: int,
     group: Any,
     max_bytes_per_s: float | None = None,
+    priority: SavePriority | None = None,
 ) -> None:
-    """DCP writes ``state`` into ``<path>.tmp-<token>``; rank 0 publishes it (marker.py)."""
+    """DCP writes ``state`` into ``<path>.tmp-<token>``; rank 0 publishes it (marker.py).
+    ``priority``: the CPU priority of an asynchronous save's writer threads."""
     token = comm.broadcast(uuid.uuid4().hex if comm.rank(group) == 0 else None, group)
     tmp = f"{path}.tmp-{token}"
     try:
@@ -223,6 +231,7 @@ def _write(
                     thread_count=thread_count,
                     deferred=deferred,
                     max_bytes_per_s=max_bytes_per_s,
+                    priority=priority,
                 ),
                 process_group=group,
                 no_dist=group is None,

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from torchrec_kvemb.checkpoint.direct_file import open_for_writing
+from torchrec_kvemb.checkpoint.priority import SavePriority
 from torchrec_kvemb.checkpoint.saved_tensor import writable_bytes
 from torchrec_kvemb.checkpoint.tensor_record import writable, write_all, write_tensor
 from torchrec_kvemb.state_dict.deferred import DeferredEntries, DeferredEntry
@@ -62,6 +63,7 @@ class RowStreamWriter(FileSystemWriter):
         block_bytes: int = BLOCK_BYTES,
         max_bytes_per_s: float | None = None,
         direct: bool = True,
+        priority: SavePriority | None = None,
     ) -> None:
         super().__init__(
             path, single_file_per_rank=True, sync_files=True, thread_count=thread_count
@@ -71,6 +73,8 @@ class RowStreamWriter(FileSystemWriter):
         self.pace = Pace(max_bytes_per_s) if max_bytes_per_s else None
         #: Write around the page cache where the file system allows (:mod:`.direct_file`).
         self.direct = direct
+        #: The CPU priority of the writer threads (an asynchronous save's; None: the caller's).
+        self.priority = priority
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix
@@ -83,6 +87,14 @@ class RowStreamWriter(FileSystemWriter):
         return done
 
     def _write_file(
+        self, name: str, items: list[WriteItem], planner: SavePlanner
+    ) -> list[WriteResult]:
+        if self.priority is None:
+            return self._write_items(name, items, planner)
+        with self.priority.lowered():
+            return self._write_items(name, items, planner)
+
+    def _write_items(
         self, name: str, items: list[WriteItem], planner: SavePlanner
     ) -> list[WriteResult]:
         results = []

@@ -305,6 +305,14 @@ def crc32(address: int, n: int, value: int = 0) -> int:
     return out.value
 
 
+def crc32_copy(dst: int, src: int, n: int, value: int = 0) -> int:
+    """:func:`crc32` of the ``n`` bytes at ``src``, copied to ``dst`` in the same pass."""
+    out = ctypes.c_uint32()
+    status = library().kv_crc32_copy(dst, src, n, value & 0xFFFFFFFF, ctypes.byref(out))
+    check_status(status, "crc32_copy")
+    return out.value
+
+
 def crc32_folds() -> bool:
     """Whether :func:`crc32` folds with carry-less multiplies here (x86-64 with
     PCLMULQDQ); where it does not, zlib's is faster."""
@@ -885,6 +893,7 @@ __all__ = [
     "available",
     "bulk_load",
     "crc32",
+    "crc32_copy",
     "crc32_folds",
     "export_order",
     "fused_backward_group",
