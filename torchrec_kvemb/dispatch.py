@@ -14,6 +14,7 @@ never compiles them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -62,7 +63,37 @@ def registered(name: str, device: torch.device | str) -> Callable[..., Any] | No
         return None
     if impl == "triton" and torch.device(device).type != "cuda":
         return library.cuda_kernel(name)
+    if torch.device(device).type == "cpu" and not torch.compiler.is_compiling():
+        return _eager_cpu_op(name)
     return getattr(torch.ops.kvemb, name)
+
+
+@functools.cache
+def _eager_cpu_op(name: str) -> Callable[..., Any]:
+    """``kvemb::name`` on CPU tensors: its CPU kernel called directly where the
+    dispatcher would just run it (``_plain_eager_cpu``: plain tensors, eager, no
+    mode active; the profiler still names the op, and the arguments it writes get
+    their version bumped as the op's in-place layer does), else the op. Why: a
+    ``custom_op``'s Python layers cost about 150-190 us a call on top of the
+    kernel (a tiered training step makes a dozen small calls: docs/native.md)."""
+    op = getattr(torch.ops.kvemb, name)
+    kernel = _traced_cpu_kernel(name)
+    writes = tuple(
+        i for i, a in enumerate(op.default._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )  # fmt: skip
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if kwargs or not _plain_eager_cpu(*args):
+            return op(*args, **kwargs)
+        out = kernel(*args)
+        for i in writes:
+            if i < len(args) and isinstance(args[i], torch.Tensor):
+                torch.autograd.graph.increment_version(args[i])
+        return out
+
+    run.op = op  # type: ignore[attr-defined]
+    return run
 
 
 def _ids64(ids: torch.Tensor) -> bool:
@@ -324,20 +355,24 @@ def group_pooled_eval(
         table_of_bag, per_sample_weights, mean_of_bag, bag_list, out_offset, *out_shape,
         *_init_tensors(layout), metrics, unpooled,
     )  # fmt: skip
-    if op is torch.ops.kvemb.pooled_eval_group and _plain_eager_cpu(ids):
+    if getattr(op, "op", None) is torch.ops.kvemb.pooled_eval_group and _plain_eager_cpu(*args):
         return _traced_cpu_kernel("pooled_eval_group")(*args, into=into)
     return op(*args)
 
 
-def _plain_eager_cpu(ids: torch.Tensor) -> bool:
-    """Whether the dispatcher, given these CPU ids, would just run the op's CPU
-    kernel: a plain tensor, eager, no dispatch or function mode active."""
-    return (
-        type(ids) is torch.Tensor
-        and ids.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-        and not is_in_torch_dispatch_mode()
-        and not torch._C._is_torch_function_mode_enabled()
+def _plain_eager_cpu(*args: Any) -> bool:
+    """Whether the dispatcher, given these arguments, would just run the op's CPU
+    kernel: plain CPU tensors, eager, no dispatch or function mode active."""
+    if (
+        torch.compiler.is_compiling()
+        or is_in_torch_dispatch_mode()
+        or torch._C._is_torch_function_mode_enabled()
+    ):
+        return False
+    return all(
+        type(a) is torch.Tensor and a.device.type == "cpu"
+        for a in args
+        if isinstance(a, torch.Tensor)
     )
 
 
