@@ -4,8 +4,9 @@ An asynchronous save writes while training runs on every core. Its threads run
 at Linux's ``SCHED_IDLE`` policy, which gives a core to them only when nothing
 else wants it: a training thread that wakes takes the core back at once. At nice
 19 (the lowest ordinary priority) the scheduler may let a running writer finish
-its slice first. Measured beside 2-thread training steps on 2 cores, so far only
-with other jobs on the machine: docs/benchmarks.md, "Asynchronous checkpoints".
+its slice first. Measured beside 2-thread training steps on 2 cores (0.91x-0.94x
+of the steps without a save in two quiet ``make bench`` runs): docs/benchmarks.md,
+"Asynchronous checkpoints".
 
 An idle thread can starve while training keeps every core busy. A watchdog (a
 thread at the caller's priority) reads the save threads' run-queue wait
