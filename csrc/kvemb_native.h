@@ -17,7 +17,7 @@ extern "C" {
 
 // Bump on any change of a signature or struct below; native.py refuses a
 // library whose version differs (a stale build).
-#define KV_ABI_VERSION 13
+#define KV_ABI_VERSION 15
 
 enum KvStatus {
   KV_OK = 0,
@@ -165,7 +165,19 @@ typedef struct KvTrainArgs {
   uint8_t* unique_flags;    // [U] KvUniqueFlag bits, or null
   int64_t* unique_scores;   // [U] the score the id holds (or would: no row), or null
   int64_t* evicted_scores;  // [E] the evicted entries' scores, or null
+  // Instead of promote_ids (num_promote 0), optional: each table's host tier
+  // index, probed for the table's ids not in memory ([T, KV_TIER_INDEX_COLUMNS]
+  // int64: main keys address, main buckets, stash keys address (0: none),
+  // stash buckets, main records address, stash records address, record
+  // memory scores address; a row whose first entry is 0: no tier). A held id
+  // is promoted as above, with its record's memory score; unique_tier_slots
+  // [U] (with tier_index) gets its global tier slot (stash slots after the
+  // main ones), -1 where not promoted. The tier is only read.
+  const int64_t* tier_index;
+  int64_t* unique_tier_slots;
 } KvTrainArgs;
+
+#define KV_TIER_INDEX_COLUMNS 7
 
 // Bits of KvTrainArgs.unique_flags.
 enum KvUniqueFlag {
@@ -354,6 +366,56 @@ int kv_crc32_folds(void);
 // kv_crc32 of src[0, n) while copying it to dst[0, n) (not overlapping), in one
 // pass; where kv_crc32_folds(), the bulk is stored non-temporally.
 int kv_crc32_copy(uint8_t* dst, const uint8_t* src, int64_t n, uint32_t crc, uint32_t* out);
+
+// One table's rows trade places with its host tier's records after a training
+// lookup (host_tier.py HostTier.exchange; ops/host_exchange.py is the torch
+// path it equals). The host tier's index is a main part and an optional stash
+// ([main_slots] and [stash_slots] keys, scores, record numbers; a global slot
+// below main_slots is the main part's). In this order:
+// 1. down: the table's rows at down_slots[k] (weights [table_rows, dim], state
+//    [table_rows, state_dim]) go to records popped from free_list (the last of
+//    its *free_count entries first) at the index slots down_host_slots[k],
+//    placed already (record -1 there), with their ids and memory scores;
+// 2. up: the records at the index slots up_host_slots[p] are copied to the
+//    table's rows at up_slots[p] (-1: not copied);
+// 3. the up ids leave the index (key -1, score 0, record -1) and their records
+//    are pushed on the free list (their ids -1).
+// Host rows are [records, dim + state_dim] float32 (weights, then state). The
+// down records and the up records are distinct (step 1 pops before step 3
+// pushes). Refuses (KV_BAD_ARGUMENT, nothing written) a slot or record out of
+// range, a down slot that holds a record, an up slot that holds none, fewer
+// free records than down rows, or a free record that holds an id.
+typedef struct KvHostExchangeArgs {
+  float* weights;
+  float* state;  // null when state_dim is 0
+  int64_t table_rows;
+  int64_t dim;
+  int64_t state_dim;
+  float* rows;
+  int64_t* record_ids;
+  int64_t* record_scores;
+  int64_t num_records;
+  int64_t* free_list;
+  int64_t* free_count;  // [1], updated
+  int64_t* main_keys;
+  int64_t* main_scores;
+  int64_t* main_record;
+  int64_t main_slots;
+  int64_t* stash_keys;  // null when stash_slots is 0
+  int64_t* stash_scores;
+  int64_t* stash_record;
+  int64_t stash_slots;
+  const int64_t* down_slots;
+  const int64_t* down_ids;
+  const int64_t* down_scores;
+  const int64_t* down_host_slots;
+  int64_t num_down;
+  const int64_t* up_host_slots;
+  const int64_t* up_slots;
+  int64_t num_up;
+  int64_t num_threads;
+} KvHostExchangeArgs;
+int kv_host_exchange(const KvHostExchangeArgs* args);
 
 #ifdef __cplusplus
 }

@@ -79,6 +79,34 @@ struct TableInfo {
   bool admission = false;
   bool init_native = true;
   UniformInit init;
+  // The table's host tier index (KvTrainArgs.tier_index), probed for its new ids.
+  const int64_t* tier_main_keys = nullptr;  // null: no tier index
+  const int64_t* tier_stash_keys = nullptr;
+  const int64_t* tier_main_record = nullptr;
+  const int64_t* tier_stash_record = nullptr;
+  const int64_t* tier_record_scores = nullptr;
+  FastMod tier_main_mod, tier_stash_mod;
+  int64_t tier_main_slots = 0;
+
+  // The tier's global slot of ``id`` (main part, then stash), -1: not held.
+  int64_t tier_find(int64_t id) const {
+    const int64_t b = index_bucket(id, tier_main_mod);
+    if (const uint32_t m = match(tier_main_keys + b * kWays, id)) {
+      return b * kWays + __builtin_ctz(m);
+    }
+    if (!tier_stash_keys) return -1;
+    const int64_t s = index_bucket(id, tier_stash_mod);
+    if (const uint32_t m = match(tier_stash_keys + s * kWays, id)) {
+      return tier_main_slots + s * kWays + __builtin_ctz(m);
+    }
+    return -1;
+  }
+  // The memory score kept with the record at global tier ``slot``.
+  int64_t tier_score(int64_t slot) const {
+    const int64_t record = slot < tier_main_slots ? tier_main_record[slot]
+                                                  : tier_stash_record[slot - tier_main_slots];
+    return tier_record_scores[record];
+  }
 
   // The score value of a unique id seen ``count`` times with custom max ``top``.
   int64_t value(int64_t count, int64_t top) const {
@@ -198,6 +226,21 @@ class TrainLookup {
       }
       tab.init_native = a_.init_native[t] != 0;
       tab.init = UniformInit(a_.seed_mix[t], a_.init_low[t], a_.init_high[t]);
+      if (a_.tier_index && a_.tier_index[t * KV_TIER_INDEX_COLUMNS] != 0) {
+        const int64_t* row = a_.tier_index + t * KV_TIER_INDEX_COLUMNS;
+        if (row[1] < 1 || (row[2] != 0 && row[3] < 1) || !row[4] || (row[2] && !row[5]) ||
+            !row[6] || a_.num_promote) {
+          return KV_BAD_ARGUMENT;
+        }
+        tab.tier_main_keys = reinterpret_cast<const int64_t*>(row[0]);
+        tab.tier_main_mod = FastMod(static_cast<uint64_t>(row[1]));
+        tab.tier_main_slots = row[1] * kWays;
+        tab.tier_stash_keys = reinterpret_cast<const int64_t*>(row[2]);
+        tab.tier_stash_mod = FastMod(static_cast<uint64_t>(row[2] ? row[3] : 1));
+        tab.tier_main_record = reinterpret_cast<const int64_t*>(row[4]);
+        tab.tier_stash_record = reinterpret_cast<const int64_t*>(row[5]);
+        tab.tier_record_scores = reinterpret_cast<const int64_t*>(row[6]);
+      }
       tables_.push_back(tab);
       owner_.add(tab.bucket_offset, tab.bucket_offset + a_.num_buckets[t], t);
       if (tab.admission) {
@@ -274,6 +317,7 @@ class TrainLookup {
     u_slot_ = arena_.take<int64_t>(total);
     u_way_ = arena_.take<int8_t>(total);
     u_flags_ = arena_.take<uint8_t>(total);
+    if (a_.tier_index) u_tier_slot_ = arena_.take<int64_t>(total);
     e_id_ = arena_.take<int64_t>(total);
     e_slot_ = arena_.take<int64_t>(total);
     e_score_ = arena_.take<int64_t>(total);
@@ -300,17 +344,27 @@ class TrainLookup {
     u_final_[pos] = u_value_[pos];
     u_way_[pos] = static_cast<int8_t>(way);
     u_flags_[pos] = 0;
+    if (u_tier_slot_) u_tier_slot_[pos] = -1;
   }
 
   // A new unique at ``pos`` the lower tier holds: it competes as a stored id
   // that outranks every unprotected entry, and keeps its tier score.
   void mark_promoted(int64_t pos) {
     const int64_t t = u_table_[pos];
-    const int64_t* end = a_.promote_ids + promote_begin_[t + 1];
-    const int64_t* at = std::lower_bound(a_.promote_ids + promote_begin_[t], end, u_id_[pos]);
-    if (at == end || *at != u_id_[pos]) return;
     const TableInfo& tab = tables_[t];
-    const int64_t tier_score = a_.promote_scores[at - a_.promote_ids];
+    int64_t tier_score;
+    if (u_tier_slot_) {  // the table's tier index, probed here
+      if (!tab.tier_main_keys) return;
+      const int64_t slot = tab.tier_find(u_id_[pos]);
+      if (slot < 0) return;
+      u_tier_slot_[pos] = slot;
+      tier_score = tab.tier_score(slot);
+    } else {
+      const int64_t* end = a_.promote_ids + promote_begin_[t + 1];
+      const int64_t* at = std::lower_bound(a_.promote_ids + promote_begin_[t], end, u_id_[pos]);
+      if (at == end || *at != u_id_[pos]) return;
+      tier_score = a_.promote_scores[at - a_.promote_ids];
+    }
     u_final_[pos] = tab.accumulate ? wrap_add(u_count_[pos], tier_score) : u_value_[pos];
     u_value_[pos] = std::numeric_limits<int64_t>::max();
     u_flags_[pos] = kPromoted | kAdmitted;
@@ -375,7 +429,7 @@ class TrainLookup {
         }
         add_unique(base + n_unique, misses[g].first, bucket, t, static_cast<int64_t>(g1 - g),
                    top_score, -1);
-        if (a_.num_promote) mark_promoted(base + n_unique);
+        if (a_.num_promote || u_tier_slot_) mark_promoted(base + n_unique);
         ++n_unique;
         g = g1;
       }
@@ -613,6 +667,7 @@ class TrainLookup {
         a_.unique_inserted[out] = u_flags_[base + j] & kInserted;
         if (a_.unique_flags) a_.unique_flags[out] = u_flags_[base + j] & ~kAdmitted;
         if (a_.unique_scores) a_.unique_scores[out] = u_final_[base + j];
+        if (a_.unique_tier_slots) a_.unique_tier_slots[out] = u_tier_slot_[base + j];
       }
       // Both phases' evictions are ascending by slot: merge them.
       int64_t i = base, i_end = base + counts_[p].evicted_collect;
@@ -653,6 +708,7 @@ class TrainLookup {
   int64_t* u_final_ = nullptr;  // the score the unique's slot ends with (or would)
   int8_t* u_way_ = nullptr;  // the stored way before the call, -1: new
   uint8_t* u_flags_ = nullptr;
+  int64_t* u_tier_slot_ = nullptr;  // with a tier index: the promoted id's tier slot, else -1
   // Evictions of part p at [occ_.part_start[p], + counts_[p].evicted): the
   // collect phase's first (evicted_collect), then the settle phase's.
   int64_t *e_id_ = nullptr, *e_slot_ = nullptr, *e_score_ = nullptr;

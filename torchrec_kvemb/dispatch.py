@@ -43,6 +43,7 @@ from torchrec_kvemb.ops.block_bucketize import (
     prepare_inputs,
 )
 from torchrec_kvemb.ops.export_order import export_order_torch
+from torchrec_kvemb.ops.host_exchange import host_exchange_torch
 from torchrec_kvemb.ops.insert import insert_torch
 from torchrec_kvemb.ops.optimizer_update import clip_output_gradient, optimizer_update_torch
 from torchrec_kvemb.ops.place import bulk_load_torch, place_torch
@@ -187,6 +188,16 @@ def gather_rows(src: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> to
         return torch.index_select(src, 0, slots, out=out)
     op(src, slots.to(torch.int64).contiguous(), out)
     return out
+
+
+def host_exchange(*args: torch.Tensor) -> None:
+    """A host tier's row exchange (the arguments of ``library.tier_ops.ExchangeArgs``;
+    ``ops/host_exchange.py`` says what it writes): natively on the CPU."""
+    op = registered("host_exchange", args[0].device)
+    if op is None:
+        host_exchange_torch(*args)
+        return
+    op(*args)
 
 
 def init_rows(ids: torch.Tensor, dim: int, spec: InitSpec) -> torch.Tensor:

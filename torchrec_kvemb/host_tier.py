@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from torchrec_kvemb import dispatch
+from torchrec_kvemb import dispatch, huge_pages
 from torchrec_kvemb.options import WAYS, EvictionPolicy, HostTierOptions
 from torchrec_kvemb.slot_index import INDEX_BYTES_PER_SLOT, INITIAL_BUCKETS, SlotIndex
 from torchrec_kvemb.tier import TIER_COUNTERS, LowerTier, RestoredRows, sweep_window
@@ -159,12 +159,18 @@ class HostTier(LowerTier):
     def _empty_rows(self, n: int) -> torch.Tensor:
         return torch.empty(n, self.dim + self.state_dim, pin_memory=self.pinned)
 
+    def _record_rows(self, n: int) -> torch.Tensor:
+        rows = self._empty_rows(n)
+        if not self.pinned:
+            huge_pages.advise(rows)
+        return rows
+
     def _grow(self, records: int) -> None:
         """Hold ``records`` records (rows and their ids, scores, free-list entries)."""
         old = self._records
         if records <= old:
             return
-        rows = self._empty_rows(records)
+        rows = self._record_rows(records)
         rows[:old] = self._rows
         self._rows = rows
         self._ids = torch.cat([self._ids, torch.full((records - old,), -1, dtype=torch.int64)])
@@ -411,6 +417,64 @@ class HostTier(LowerTier):
         if self.lower is not None:
             freed += self.lower.expire(cutoff, part, parts)
         return freed
+
+    # ------------------------------------------------- direct row exchange
+    @property
+    def exchanges_rows(self) -> bool:
+        """``LowerTier.exchanges_rows``: a tier without a bound and nothing under it
+        (a bounded one may drop or move rows down inside ``put``)."""
+        return self._capacity is None and self.lower is None
+
+    def probe_arrays(self) -> tuple[torch.Tensor, ...]:
+        """``LowerTier.probe_arrays``: the index's main part and stash, and the records'
+        memory scores."""
+        self._check_open()
+        main_keys, _, main_record, stash_keys, _, stash_record = self._index.arrays()
+        return main_keys, stash_keys, main_record, stash_record, self._scores
+
+    def read_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """``LowerTier.read_rows``: the rows at host ``slots``."""
+        records = self._index.records_at(slots)
+        return dispatch.gather_rows(self._rows, records, self._empty_rows(records.numel()))
+
+    def exchange(
+        self,
+        weights: torch.Tensor,
+        state: torch.Tensor,
+        down_slots: torch.Tensor,
+        down_ids: torch.Tensor,
+        memory_scores: torch.Tensor,
+        tier_scores: torch.Tensor,
+        up_ids: torch.Tensor,
+        up_tier_slots: torch.Tensor,
+        up_slots: torch.Tensor,
+    ) -> None:
+        """``LowerTier.exchange``: the down ids take index slots (``SlotIndex.add``,
+        which may grow the index), then one ``dispatch.host_exchange`` copies each
+        row once, between its table slot and its record, and frees the up ids'
+        records and slots."""
+        self._check_open()
+        if not self.exchanges_rows:
+            raise RuntimeError(f"table {self.table!r}: a bounded host tier does not exchange rows")
+        n, p = down_ids.numel(), up_tier_slots.numel()
+        self._make_room(n)
+        generation = self._index.generation
+        host_slots = self._index.add(down_ids, tier_scores) if n else down_ids
+        if self._index.generation != generation and p:  # entries moved: probe again
+            up_tier_slots = self._index.probe(up_ids)
+        free_count = torch.tensor([self._free_count])
+        dispatch.host_exchange(
+            weights, state, self._rows, self._ids, self._scores, self._free, free_count,
+            *self._index.arrays(), down_slots, down_ids, memory_scores, host_slots,
+            up_tier_slots, up_slots,
+        )  # fmt: skip
+        self._free_count = int(free_count[0])
+        self._index.size -= p
+        width = 4 * (self.dim + self.state_dim)
+        self.counters["host_writes"] += n
+        self.counters["host_bytes_written"] += n * width
+        self.counters["host_reads"] += p
+        self.counters["host_bytes_read"] += p * width
 
     # ----------------------------------------------------------- durability
     def read_restored(self) -> RestoredRows | None:

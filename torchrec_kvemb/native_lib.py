@@ -35,7 +35,7 @@ from torchrec_kvemb.validation import KVInputError
 #: The shared library's extension name (setup.py builds csrc/ into it).
 LIBRARY = "torchrec_kvemb._kvemb_native"
 #: Must equal KV_ABI_VERSION in csrc/kvemb_native.h.
-ABI_VERSION = 13
+ABI_VERSION = 15
 
 _OK, _BAD_TABLE, _NEGATIVE_ID, _OUT_OF_MEMORY, _BAD_ARGUMENT = range(5)
 
@@ -102,6 +102,8 @@ class TrainArgs(ctypes.Structure):
         ("unique_flags", _PTR),
         ("unique_scores", _PTR),
         ("evicted_scores", _PTR),
+        ("tier_index", _PTR),
+        ("unique_tier_slots", _PTR),
     ]
 
 
@@ -201,6 +203,41 @@ class InsertArgs(ctypes.Structure):
     ]
 
 
+class HostExchangeArgs(ctypes.Structure):
+    """Mirror of ``KvHostExchangeArgs`` (csrc/kvemb_native.h), field for field."""
+
+    _fields_ = [
+        ("weights", _PTR),
+        ("state", _PTR),
+        ("table_rows", _I64),
+        ("dim", _I64),
+        ("state_dim", _I64),
+        ("rows", _PTR),
+        ("record_ids", _PTR),
+        ("record_scores", _PTR),
+        ("num_records", _I64),
+        ("free_list", _PTR),
+        ("free_count", _PTR),
+        ("main_keys", _PTR),
+        ("main_scores", _PTR),
+        ("main_record", _PTR),
+        ("main_slots", _I64),
+        ("stash_keys", _PTR),
+        ("stash_scores", _PTR),
+        ("stash_record", _PTR),
+        ("stash_slots", _I64),
+        ("down_slots", _PTR),
+        ("down_ids", _PTR),
+        ("down_scores", _PTR),
+        ("down_host_slots", _PTR),
+        ("num_down", _I64),
+        ("up_host_slots", _PTR),
+        ("up_slots", _PTR),
+        ("num_up", _I64),
+        ("num_threads", _I64),
+    ]
+
+
 #: Builds of the library: ``portable`` (SSE2 on x86-64) everywhere, ``avx2``
 #: beside it on x86-64 (the same sources with -mavx2, same results; setup.py).
 VARIANTS = ("portable", "avx2")
@@ -258,6 +295,7 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
     lib.kv_lookup_train_group.argtypes = [ctypes.POINTER(TrainArgs)]
     lib.kv_fused_backward_group.argtypes = [ctypes.POINTER(BackwardArgs)]
     lib.kv_insert.argtypes = [ctypes.POINTER(InsertArgs)]
+    lib.kv_host_exchange.argtypes = [ctypes.POINTER(HostExchangeArgs)]
     lib.kv_pooled_forward.argtypes = [ctypes.POINTER(PooledArgs)]
     lib.kv_read_records.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR]
     lib.kv_bulk_load.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR]
@@ -281,6 +319,7 @@ def load_variant(variant: str) -> tuple[ctypes.CDLL | None, str | None]:
         lib.kv_fused_backward_group,
         lib.kv_pooled_forward,
         lib.kv_insert,
+        lib.kv_host_exchange,
         lib.kv_place,
         lib.kv_bulk_load,
         lib.kv_scatter_rows,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from torchrec_kvemb import huge_pages
 from torchrec_kvemb.index import BucketIndex
 from torchrec_kvemb.options import WAYS
 
@@ -39,7 +40,7 @@ class _Part:
 
     def __init__(self, buckets: int) -> None:
         self.index = BucketIndex.empty(buckets)
-        self.record = torch.full((self.index.slots,), -1, dtype=torch.int64)
+        self.record = huge_pages.full((self.index.slots,), -1, torch.int64)
 
     @property
     def slots(self) -> int:
@@ -61,6 +62,8 @@ class SlotIndex:
         self._main = _Part(buckets)
         self._stash = _Part(self._stash_buckets(buckets)) if stash else None
         self.size = 0
+        #: Bumped whenever entries move to other slots (a rehash, a rebuilt stash).
+        self.generation = 0
 
     @staticmethod
     def _stash_buckets(main_buckets: int) -> int:
@@ -132,6 +135,18 @@ class SlotIndex:
 
     def set_records(self, slots: torch.Tensor, records: torch.Tensor) -> None:
         self._set("record", slots, records)
+
+    def arrays(self) -> tuple[torch.Tensor, ...]:
+        """``(main keys, main scores, main records, stash keys, stash scores, stash
+        records)``: the index's arrays as ``ops/host_exchange.py`` reads them (an
+        index without a stash: empty stash arrays)."""
+        main = self._main
+        if self._stash is None:
+            empty = main.index.keys.new_empty(0, WAYS)
+            stash = (empty, empty.clone(), main.record.new_empty(0))
+        else:
+            stash = (self._stash.index.keys, self._stash.index.scores, self._stash.record)
+        return (main.index.keys, main.index.scores, main.record, *stash)
 
     # ---------------------------------------------------------------- ids
     def probe(self, ids: torch.Tensor) -> torch.Tensor:
@@ -220,6 +235,7 @@ class SlotIndex:
         new.index.set_scores(local, old.index.scores_at(live))
         new.record[local] = old.record[live]
         self._stash = new
+        self.generation += 1
 
     def _rehash(self, buckets: int) -> None:
         """Place every entry anew in a main part of ``buckets`` buckets (and a stash)."""
@@ -233,3 +249,4 @@ class SlotIndex:
             slots[over] = self._place_stash(ids[over])
         self.set_scores(slots, scores)
         self.set_records(slots, records)
+        self.generation += 1

@@ -180,6 +180,47 @@ class LowerTier(ABC):
         slot), and sweep the tier below likewise. Costs the slots swept. Returns
         the rows freed here and below."""
 
+    # --------------------------------------------------- direct row exchange
+    @property
+    def exchanges_rows(self) -> bool:
+        """Whether ``probe_arrays`` and ``exchange`` serve this tier: its rows are host
+        arrays a CPU table's rows can trade places with in one call (the host tier
+        without a bound and nothing under it). Other tiers: False, and the table
+        uses ``lookup``, ``fetch``, ``remove`` and ``put``."""
+        return False
+
+    def probe_arrays(self) -> tuple[torch.Tensor, ...]:
+        """``(main keys, stash keys, main records, stash records, records' memory
+        scores)``: the tier's index as the native training lookup probes it for the
+        batch's ids not in memory (``native.TierIndex``; ``exchanges_rows`` only).
+        Read-only, and valid until the tier's next write."""
+        raise NotImplementedError(f"{type(self).__name__} does not exchange rows")
+
+    def exchange(
+        self,
+        weights: torch.Tensor,
+        state: torch.Tensor,
+        down_slots: torch.Tensor,
+        down_ids: torch.Tensor,
+        memory_scores: torch.Tensor,
+        tier_scores: torch.Tensor,
+        up_ids: torch.Tensor,
+        up_tier_slots: torch.Tensor,
+        up_slots: torch.Tensor,
+    ) -> None:
+        """``put`` and ``remove`` of a batch in one pass, without a buffer between
+        (``exchanges_rows`` only): the table's rows at ``down_slots`` of ``weights``
+        and ``state`` (evicted ids ``down_ids``, with their memory and tier scores)
+        come into the tier; then the rows of ``up_ids`` at the tier's
+        ``up_tier_slots`` (the slots the lookup found) go to the table's rows at ``up_slots`` (-1:
+        not copied; the caller read it with ``read_rows``) and leave the tier."""
+        raise NotImplementedError(f"{type(self).__name__} does not exchange rows")
+
+    def read_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Rows ``[n, dim + state_dim]`` at the tier's ``slots``, uncounted
+        (``exchanges_rows`` only: the rows of promoted ids that get no memory row)."""
+        raise NotImplementedError(f"{type(self).__name__} does not exchange rows")
+
     # ------------------------------------------------------------- durability
     @abstractmethod
     def read_restored(self) -> RestoredRows | None:

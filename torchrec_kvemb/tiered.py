@@ -677,6 +677,28 @@ class TieredKVTable(KVTable, serves_ssd=True):
         self._tier.put(evicted_ids.cpu(), memory_scores, self._tier_scores(memory_scores), rows)
         self.count("demotions", evicted_ids.numel())
 
+    def exchange_lower(
+        self,
+        weights: torch.Tensor,
+        state: torch.Tensor,
+        evicted_slots: torch.Tensor,
+        evicted_ids: torch.Tensor,
+        memory_scores: torch.Tensor,
+        up_ids: torch.Tensor,
+        up_tier_slots: torch.Tensor,
+        up_slots: torch.Tensor,
+    ) -> None:
+        """``demote`` and the promotions' ``tier.remove`` in one pass, where the tier
+        ``exchanges_rows`` (``LowerTier.exchange``; CPU arrays): the rows evicted at
+        ``evicted_slots`` of ``weights`` and ``state`` (this table's arrays, or its
+        group's with global slots) go down, then the tier's rows of ``up_ids`` come
+        up to ``up_slots`` (-1: none) and leave it (after ``reserve_batch``)."""
+        self._tier.exchange(
+            weights, state, evicted_slots, evicted_ids, memory_scores,
+            self._tier_scores(memory_scores), up_ids, up_tier_slots, up_slots,
+        )  # fmt: skip
+        self.count("demotions", evicted_ids.numel())
+
     def promote(
         self, slots: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor | None = None
     ) -> None:

@@ -177,19 +177,31 @@ def _native_pass(
     steps: torch.Tensor,
     custom_scores: torch.Tensor | None,
     custom_tables: Sequence[bool] | None,
-    fetched: Sequence[_Fetched],
+    fetched: Sequence[_Fetched] | None,
+    tables: Sequence[KVTable],
     threads: int,
 ) -> native.TrainLookup:
-    """The native kernel's pass (CPU tensors): the promotions as a ``TierPromotion``."""
-    T = len(fetched)
+    """The native kernel's pass (CPU tensors): the promotions as a ``TierPromotion``,
+    or (``fetched`` None: tiers that exchange rows) the tiers' indexes to probe."""
+    T = len(tables)
     counter = None
     if layout.has_admission:
         counter = native.CounterIndex(storage.counter_keys, storage.counter_scores, storage.counts)
     rows = layout.total_buckets * storage.keys.shape[1]
-    promote_offsets = None
-    if T > 1:
-        promote_offsets = torch.zeros(T + 1, dtype=torch.int64)
-        promote_offsets[1:] = torch.tensor([f.ids.numel() for f in fetched]).cumsum(0)
+    if fetched is None:
+        arrays = tuple(table.tier.probe_arrays() for table in tables)
+        index = [native.tier_index_row(*a) for a in arrays]
+        tier = native.TierIndex(torch.tensor(index, dtype=torch.int64), arrays)
+    else:
+        promote_offsets = None
+        if T > 1:
+            promote_offsets = torch.zeros(T + 1, dtype=torch.int64)
+            promote_offsets[1:] = torch.tensor([f.ids.numel() for f in fetched]).cumsum(0)
+        tier = native.TierPromotion(
+            fetched[0].ids.contiguous() if T == 1 else torch.cat([f.ids for f in fetched]),
+            fetched[0].scores.contiguous() if T == 1 else torch.cat([f.scores for f in fetched]),
+            promote_offsets,
+        )
     return native.lookup_train_group(
         layout,
         storage.keys,
@@ -204,11 +216,7 @@ def _native_pass(
         counter,
         num_threads=threads,
         workspace=workspace(),
-        tier=native.TierPromotion(
-            fetched[0].ids.contiguous() if T == 1 else torch.cat([f.ids for f in fetched]),
-            fetched[0].scores.contiguous() if T == 1 else torch.cat([f.scores for f in fetched]),
-            promote_offsets,
-        ),
+        tier=tier,
     )
 
 
@@ -261,6 +269,11 @@ def _lookup_train_tiers(
     if triton:  # (device work stays on the calling thread, its stream: the threads' is host)
         missed = [_missed(tables[t], ids[table_idx == t] if T > 1 else ids).cpu() for t in range(T)]
 
+    # A CPU group whose tiers all trade rows with the table's arrays directly: the
+    # kernel probes their indexes itself, and each table's tier share is one
+    # ``exchange`` (``_exchange``): no lookups before, no row buffers after.
+    direct = not triton and all(table.tier.exchanges_rows for table in tables)
+
     def fetch(t: int) -> _Fetched:
         if missed is not None:
             fetched = _Fetched(tables[t], missed[t], missed=True)
@@ -269,7 +282,12 @@ def _lookup_train_tiers(
         tables[t].reserve_batch(fetched.misses)  # every eviction makes room for a missed id
         return fetched
 
-    fetched = _per_table(fetch, T, threads)
+    fetched = None
+    if direct:
+        for table in tables:  # room for as many evictions as the batch has ids
+            table.reserve_batch(ids.numel())
+    else:
+        fetched = _per_table(fetch, T, threads)
     for table in tables:  # ``steps`` is their clocks' step row: the kernel reads it
         table.advance_step()
     if triton:
@@ -287,6 +305,7 @@ def _lookup_train_tiers(
             custom_scores,
             custom_tables,
             fetched,
+            tables,
             threads,
         )
     flags = out.unique_flags
@@ -296,45 +315,19 @@ def _lookup_train_tiers(
     new = (flags & native.UNIQUE_INSERTED) != 0
     no_room = (flags & native.UNIQUE_NO_ROOM) != 0
     owner = out.unique_table
-    # Down: every table's evicted rows leave by one gather of the group's arrays,
-    # before any of their slots is refilled (promoted and new rows).
-    down = None
-    if out.evicted_slots.numel():
-        down = gather_down(storage.weights, storage.state, out.evicted_slots)
-    # What the tiers take of the evictions, in host memory (no copies on the CPU).
-    ev_ids, ev_scores = out.evicted_ids.cpu(), out.evicted_scores.cpu()
-    ev_owner = None  # the table of each evicted row (a group of one: all its own)
-    if T > 1:
-        starts = torch.tensor(list(row_offsets[1:]), dtype=torch.int64)
-        ev_owner = torch.searchsorted(starts, out.evicted_slots.cpu(), right=True)
-    # Up: the promoted uniques in (table, id) order are the rows of ``up_rows`` (the
-    # tiers' rows, table by table, ascending ids: one copy up); those with a memory
-    # slot go up in one scatter, the others (no room) to scratch rows.
-    up_rows = rows_up([f.rows for f in fetched], device)
     prom = from_ssd.nonzero().squeeze(1)
-    if prom.numel() != up_rows.shape[0]:
-        raise RuntimeError(
-            f"{prom.numel()} ids promoted by the kernel, {up_rows.shape[0]} held by the tiers"
+    if direct:
+        up_rows, row_of, promoted_rows = _exchange(tables, storage, row_offsets, out, prom)
+        tiers_done = None
+    else:
+        if prom.numel() != sum(f.ids.numel() for f in fetched):
+            raise RuntimeError(
+                f"{prom.numel()} ids promoted by the kernel, "
+                f"{sum(f.ids.numel() for f in fetched)} held by the tiers"
+            )
+        up_rows, row_of, up, promoted_rows, tiers_done = _moves(
+            tables, storage, row_offsets, out, fetched, prom, device, threads
         )
-    row_of = None  # position in ``up_rows`` of each promoted unique
-    up = None  # (slots, rows) of the promoted rows that take memory slots
-    promoted_rows = [0] * T
-    if prom.numel():
-        prom = prom[torch.sort(out.unique_ids[prom], stable=True).indices]
-        if T > 1:
-            prom = prom[torch.sort(owner[prom], stable=True).indices]
-        row_of = torch.full((flags.numel(),), -1, dtype=torch.int64, device=device)
-        row_of[prom] = torch.arange(prom.numel(), device=device)
-        up_slots = out.unique_slots[prom]
-        moved = up_slots >= 0
-        up = (up_slots, up_rows)
-        if not bool(moved.all()):
-            at = moved.nonzero().squeeze(1)
-            up = (up_slots[at], up_rows[at])
-        if T > 1:
-            promoted_rows = torch.bincount(owner[prom][moved], minlength=T).tolist()
-        else:
-            promoted_rows = [int(moved.sum())]
     promoted_occ = [0] * T  # id occurrences served by a tier (``ssd_hits``)
     if prom.numel() and T == 1:  # every id is the table's
         promoted_occ = [int(from_ssd[unique_index].sum())]
@@ -342,21 +335,12 @@ def _lookup_train_tiers(
         theirs = unique_index >= 0
         promoted = theirs & from_ssd[unique_index.clamp(min=0)]
         promoted_occ = torch.bincount(table_idx[promoted], minlength=T).tolist()
-    down_rows = down.rows() if down is not None else None
-
-    def to_tier(t: int) -> None:
-        """Table ``t``'s counters and its tiers' share: promoted ids leave them, its
-        demoted rows go down (host arrays and files only)."""
-        table, f = tables[t], fetched[t]
+    for t, table in enumerate(tables):
         for name, value in zip(METRIC_NAMES[:KERNEL_METRICS], metrics[t], strict=True):
             table.count(name, value)
         table.count("ssd_hits", promoted_occ[t])
         table.count("ssd_misses", metrics[t][1] - promoted_occ[t])
         table.count("promotions", promoted_rows[t])
-        table.tier.remove(f.ssd_slots)  # every promotion leaves the tier: memory or scratch
-        if down_rows is not None:
-            gone = (ev_owner == t).nonzero().squeeze(1) if ev_owner is not None else slice(None)
-            table.demote_rows(ev_ids[gone], ev_scores[gone], down_rows[gone])
 
     def in_memory(t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Table ``t``'s new rows (the group's arrays only); its ids without a memory
@@ -377,16 +361,15 @@ def _lookup_train_tiers(
             pad_rows[back] = up_rows[row_of[pad[back]]].to(pad_rows.dtype)
         return pad, pad_ids, pad_rows
 
-    # The tiers' work (host arrays, files) and the memory rows' (the group's arrays)
-    # touch different memory: for several tables with threads, the tiers' runs
-    # beside the calling thread, which writes the promoted and new rows.
-    tiers_done = _beside(to_tier, T, threads)
-    try:
-        if up is not None:
-            scatter_up(storage.weights, storage.state, *up)
+    if tiers_done is None:  # the exchanges moved every row: new rows may take slots now
         padded_rows = [in_memory(t) for t in range(T)]
-    finally:
-        tiers_done()
+    else:
+        try:
+            if up is not None:
+                scatter_up(storage.weights, storage.state, *up)
+            padded_rows = [in_memory(t) for t in range(T)]
+        finally:
+            tiers_done()
 
     slots_u = None  # the unique slots with the scratch rows' (made if there are any)
     for t, padded in enumerate(padded_rows):
@@ -404,3 +387,124 @@ def _lookup_train_tiers(
         return GroupLookup(out.slots, unique_index, out.unique_slots, owner)
     slots = torch.where(unique_index >= 0, slots_u[unique_index.clamp(min=0)], -1)
     return GroupLookup(slots, unique_index, slots_u, owner)
+
+
+def _exchange(
+    tables: Sequence[KVTable],
+    storage: TableStorage,
+    row_offsets: Sequence[int],
+    out: native.TrainLookup,
+    prom: torch.Tensor,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, list[int]]:
+    """The tiers' share where each trades rows with the group's arrays directly
+    (``LowerTier.exchange``, CPU): per table, its evicted rows go down and its
+    promoted rows (the uniques ``prom`` of the kernel, at the tier slots it found)
+    come up in one ``exchange_lower``, each row copied once. Returns the rows of the promoted
+    ids that got no memory row (read first, for their scratch rows; None: none),
+    each promoted unique's position among them (-1: none), and each table's rows
+    promoted to memory."""
+    T = len(tables)
+    weights, state = storage.weights, storage.state
+    ev_owner = prom_owner = None
+    if T > 1:
+        starts = torch.tensor(list(row_offsets[1:]), dtype=torch.int64)
+        ev_owner = torch.searchsorted(starts, out.evicted_slots, right=True)
+        prom_owner = out.unique_table[prom]
+    stays, stay_rows, promoted_rows = [], [], [0] * T
+    for t, table in enumerate(tables):
+        ev = (ev_owner == t).nonzero().squeeze(1) if ev_owner is not None else None
+        mine = prom[prom_owner == t] if prom_owner is not None else prom
+        evicted = [out.evicted_slots, out.evicted_ids, out.evicted_scores]
+        if ev is not None:
+            evicted = [x[ev] for x in evicted]
+        if evicted[0].numel() == 0 and mine.numel() == 0:
+            continue
+        up_ids, up_slots = out.unique_ids[mine], out.unique_slots[mine]
+        tier_slots = out.unique_tier_slots[mine]
+        stay = (up_slots < 0).nonzero().squeeze(1)
+        if stay.numel():
+            stays.append(mine[stay])
+            stay_rows.append(table.tier.read_rows(tier_slots[stay]))
+        promoted_rows[t] = mine.numel() - stay.numel()
+        table.exchange_lower(weights, state, *evicted, up_ids, tier_slots, up_slots)
+    if not stays:
+        return None, None, promoted_rows
+    at = torch.cat(stays)
+    row_of = torch.full((out.unique_ids.numel(),), -1, dtype=torch.int64)
+    row_of[at] = torch.arange(at.numel())
+    return torch.cat(stay_rows), row_of, promoted_rows
+
+
+def _moves(
+    tables: Sequence[KVTable],
+    storage: TableStorage,
+    row_offsets: Sequence[int],
+    out: native.TrainLookup,
+    fetched: Sequence[_Fetched],
+    prom: torch.Tensor,
+    device: torch.device,
+    threads: int,
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor | None,
+    tuple[torch.Tensor, torch.Tensor] | None,
+    list[int],
+    Callable[[], None],
+]:
+    """The tiers' share through ``fetch``, ``remove`` and ``put``: every table's
+    evicted rows leave by one gather of the group's arrays (``gather_down``) before
+    any slot is refilled, the tiers take them (and give up their promoted ids) on
+    the tier threads beside the caller (``_beside``; the callable returned waits for
+    them), and the promoted rows go up in one buffer (``rows_up``). Returns that
+    buffer, each promoted unique's row in it (-1: none), the ``(slots, rows)`` of
+    the promoted rows that take memory slots (None: none; the caller scatters them
+    while the tiers work), each table's promoted rows, and the wait."""
+    T = len(tables)
+    owner = out.unique_table
+    down = None
+    if out.evicted_slots.numel():
+        down = gather_down(storage.weights, storage.state, out.evicted_slots)
+    # What the tiers take of the evictions, in host memory (no copies on the CPU).
+    ev_ids, ev_scores = out.evicted_ids.cpu(), out.evicted_scores.cpu()
+    ev_owner = None  # the table of each evicted row (a group of one: all its own)
+    if T > 1:
+        starts = torch.tensor(list(row_offsets[1:]), dtype=torch.int64)
+        ev_owner = torch.searchsorted(starts, out.evicted_slots.cpu(), right=True)
+    # Up: the promoted uniques in (table, id) order are the rows of ``up_rows`` (the
+    # tiers' rows, table by table, ascending ids: one copy up); those with a memory
+    # slot go up in one scatter, the others (no room) to scratch rows.
+    up_rows = rows_up([f.rows for f in fetched], device)
+    row_of = None  # position in ``up_rows`` of each promoted unique
+    up = None  # (slots, rows) of the promoted rows that take memory slots
+    promoted_rows = [0] * T
+    if prom.numel():
+        prom = prom[torch.sort(out.unique_ids[prom], stable=True).indices]
+        if T > 1:
+            prom = prom[torch.sort(owner[prom], stable=True).indices]
+        row_of = torch.full((out.unique_ids.numel(),), -1, dtype=torch.int64, device=device)
+        row_of[prom] = torch.arange(prom.numel(), device=device)
+        up_slots = out.unique_slots[prom]
+        moved = up_slots >= 0
+        up = (up_slots, up_rows)
+        if not bool(moved.all()):
+            at = moved.nonzero().squeeze(1)
+            up = (up_slots[at], up_rows[at])
+        if T > 1:
+            promoted_rows = torch.bincount(owner[prom][moved], minlength=T).tolist()
+        else:
+            promoted_rows = [int(moved.sum())]
+    down_rows = down.rows() if down is not None else None
+
+    def to_tier(t: int) -> None:
+        """Table ``t``'s tiers' share: promoted ids leave them, its demoted rows go
+        down (host arrays and files only)."""
+        table, f = tables[t], fetched[t]
+        table.tier.remove(f.ssd_slots)  # every promotion leaves the tier: memory or scratch
+        if down_rows is not None:
+            gone = (ev_owner == t).nonzero().squeeze(1) if ev_owner is not None else slice(None)
+            table.demote_rows(ev_ids[gone], ev_scores[gone], down_rows[gone])
+
+    # The tiers' work (host arrays, files) and the memory rows' (the group's arrays)
+    # touch different memory: for several tables with threads, the tiers' runs
+    # beside the calling thread, which writes the promoted and new rows.
+    return up_rows, row_of, up, promoted_rows, _beside(to_tier, T, threads)

@@ -10,7 +10,8 @@ kernels are tested against; ``backend.implementation`` says when it runs instead
 
 Modules: ``registry`` (how an op is defined), ``index_ops`` (one index: probe,
 insert, place, bulk load, checkpoint order, rows), ``group_ops`` (a group's
-lookups, pooled forward, fused backward), ``bucketize_op`` (routing).
+lookups, pooled forward, fused backward), ``bucketize_op`` (routing),
+``tier_ops`` (a host tier's row exchange).
 
 Example::
 
@@ -18,7 +19,7 @@ Example::
     slots = torch.ops.kvemb.probe(keys, ids)
 """
 
-from torchrec_kvemb.library import bucketize_op, group_ops, index_ops
+from torchrec_kvemb.library import bucketize_op, group_ops, index_ops, tier_ops
 from torchrec_kvemb.library.registry import NAMESPACE, cpu_kernel, cuda_kernel, kernel_names
 
 __all__ = [
@@ -29,4 +30,5 @@ __all__ = [
     "group_ops",
     "index_ops",
     "kernel_names",
+    "tier_ops",
 ]

@@ -45,6 +45,7 @@ from torchrec_kvemb import huge_pages
 from torchrec_kvemb.contracts import KERNEL_METRICS, GroupLayout, InsertResult, seed_mix
 from torchrec_kvemb.native_lib import (
     BackwardArgs,
+    HostExchangeArgs,
     InsertArgs,
     NativeOpError,
     PooledArgs,
@@ -414,6 +415,8 @@ class TrainLookup(NamedTuple):
     unique_flags: torch.Tensor | None = None  # [U] uint8, UNIQUE_* bits
     unique_scores: torch.Tensor | None = None  # [U] the score held (or, without a row, due)
     evicted_scores: torch.Tensor | None = None  # [E] the evicted entries' scores
+    # With a ``TierIndex`` only: [U] each promoted unique's tier slot, -1 for the others.
+    unique_tier_slots: torch.Tensor | None = None
 
 
 #: Bits of ``TrainLookup.unique_flags`` (KvUniqueFlag in csrc/kvemb_native.h).
@@ -431,6 +434,43 @@ class TierPromotion(NamedTuple):
     offsets: torch.Tensor | None = None
 
 
+#: Columns of ``TierIndex.rows`` (KV_TIER_INDEX_COLUMNS in csrc/kvemb_native.h).
+TIER_INDEX_COLUMNS = 7
+
+
+class TierIndex(NamedTuple):
+    """Each table's host tier index, probed by ``lookup_train_group`` itself for the
+    table's ids not in memory (instead of a ``TierPromotion``): ``rows [T, 7]`` of
+    addresses and sizes (``tier_index_row``; zeros: no tier), and the tensors they
+    point into (held for the call)."""
+
+    rows: torch.Tensor
+    arrays: tuple[torch.Tensor, ...]
+
+
+def tier_index_row(
+    main_keys: torch.Tensor,
+    stash_keys: torch.Tensor,
+    main_record: torch.Tensor,
+    stash_record: torch.Tensor,
+    record_scores: torch.Tensor,
+) -> list[int]:
+    """One table's row of ``TierIndex.rows``: a host tier's main part and stash
+    (``[buckets, WAYS]`` keys, a record per slot; an empty stash: none) and its
+    records' memory scores, checked as the kernel reads them."""
+    nb, sb = main_keys.shape[0], stash_keys.shape[0]
+    stash = sb > 0
+    return [
+        tensor_ptr(main_keys, "tier main keys", torch.int64, (nb, WAYS)),
+        nb,
+        tensor_ptr(stash_keys, "tier stash keys", torch.int64, (sb, WAYS)) if stash else 0,
+        sb,
+        tensor_ptr(main_record, "tier main records", torch.int64, (nb * WAYS,)),
+        tensor_ptr(stash_record, "tier stash records", torch.int64, (sb * WAYS,)) if stash else 0,
+        tensor_ptr(record_scores, "tier record scores", torch.int64, (-1,)),
+    ]
+
+
 def lookup_train_group(
     tables: GroupLayout,
     keys: torch.Tensor,
@@ -445,7 +485,7 @@ def lookup_train_group(
     counter: CounterIndex | None = None,
     num_threads: int | None = None,
     workspace: Workspace | None = None,
-    tier: TierPromotion | None = None,
+    tier: TierPromotion | TierIndex | None = None,
     pad_uniques: bool = False,
 ) -> TrainLookup:
     """Slots for a training batch of a group, inserting new ids; updates in place.
@@ -466,7 +506,9 @@ def lookup_train_group(
     ones that outrank every unprotected entry (see ``KvTrainArgs``); no row is
     written (the caller moves evicted rows out first, then writes promoted and
     new rows), and the result has ``unique_flags``, ``unique_scores`` and
-    ``evicted_scores``.
+    ``evicted_scores``. A ``TierIndex`` instead of the ids: the kernel probes
+    each table's host tier index for the ids not in memory, and the result also
+    has ``unique_tier_slots``.
 
     ``pad_uniques``: ``unique_slots`` and ``unique_table`` keep one entry per id, those
     past the batch's uniques with slot -1 and table 0 (the registered op's static
@@ -542,23 +584,31 @@ def lookup_train_group(
     i64 = dict(dtype=torch.int64)
     tier_out = None
     if tier is not None:
-        if T != 1 and tier.offsets is None:
-            raise ValueError("lookup_train_group: a tier of several tables needs its offsets")
-        p = tier.ids.numel()
         args.weights = args.state = None
-        args.promote_ids = tensor_ptr(tier.ids, "tier.ids", torch.int64, (p,))
-        args.promote_scores = tensor_ptr(tier.scores, "tier.scores", torch.int64, (p,))
-        if tier.offsets is not None:
-            args.promote_offsets = tensor_ptr(tier.offsets, "tier.offsets", torch.int64, (T + 1,))
-        args.num_promote = p
+        if isinstance(tier, TierIndex):
+            shape = (T, TIER_INDEX_COLUMNS)
+            args.tier_index = tensor_ptr(tier.rows, "tier index", torch.int64, shape)
+        else:
+            if T != 1 and tier.offsets is None:
+                raise ValueError("lookup_train_group: a tier of several tables needs its offsets")
+            p = tier.ids.numel()
+            args.promote_ids = tensor_ptr(tier.ids, "tier.ids", torch.int64, (p,))
+            args.promote_scores = tensor_ptr(tier.scores, "tier.scores", torch.int64, (p,))
+            if tier.offsets is not None:
+                offsets = tier.offsets
+                args.promote_offsets = tensor_ptr(offsets, "tier.offsets", torch.int64, (T + 1,))
+            args.num_promote = p
         tier_out = (
             torch.empty(n, dtype=torch.uint8),
             torch.empty(n, **i64),
             torch.empty(n, **i64),
+            torch.empty(n, **i64),
         )
         args.unique_flags, args.unique_scores, args.evicted_scores = (
-            t.data_ptr() for t in tier_out
+            t.data_ptr() for t in tier_out[:3]
         )
+        if isinstance(tier, TierIndex):
+            args.unique_tier_slots = tier_out[3].data_ptr()
     slots, unique_index = torch.empty(n, **i64), torch.empty(n, **i64)
     unique_ids, unique_slots, unique_table = (torch.empty(n, **i64) for _ in range(3))
     unique_inserted = torch.empty(n, dtype=torch.bool)
@@ -595,9 +645,12 @@ def lookup_train_group(
         metrics,
     )
     if tier_out is not None:
-        flags, scores_u, scores_e = tier_out
+        flags, scores_u, scores_e, tier_slots = tier_out
         return result._replace(
-            unique_flags=flags[:u], unique_scores=scores_u[:u], evicted_scores=scores_e[:e]
+            unique_flags=flags[:u],
+            unique_scores=scores_u[:u],
+            evicted_scores=scores_e[:e],
+            unique_tier_slots=tier_slots[:u] if isinstance(tier, TierIndex) else None,
         )
     if tables.has_normal:
         _fill_new_rows(tables, weights, result)
@@ -911,3 +964,68 @@ __all__ = [
     "unavailable_reason",
     "write_records",
 ]
+
+
+def host_exchange(
+    weights: torch.Tensor,
+    state: torch.Tensor,
+    rows: torch.Tensor,
+    record_ids: torch.Tensor,
+    record_scores: torch.Tensor,
+    free_list: torch.Tensor,
+    free_count: torch.Tensor,
+    main_keys: torch.Tensor,
+    main_scores: torch.Tensor,
+    main_record: torch.Tensor,
+    stash_keys: torch.Tensor,
+    stash_scores: torch.Tensor,
+    stash_record: torch.Tensor,
+    down_slots: torch.Tensor,
+    down_ids: torch.Tensor,
+    down_scores: torch.Tensor,
+    down_host_slots: torch.Tensor,
+    up_host_slots: torch.Tensor,
+    up_slots: torch.Tensor,
+    num_threads: int | None = None,
+) -> None:
+    """``ops.host_exchange.host_exchange_torch`` for float32 CPU arrays, in one call
+    (csrc/host_exchange.cpp); a slot or record out of range is refused before
+    anything is written."""
+    i64 = torch.int64
+    R = weights.shape[0] if weights.dim() == 2 else -1
+    dim = weights.shape[1] if weights.dim() == 2 else -1
+    state_dim = state.shape[1] if state.dim() == 2 else -1
+    M = record_ids.numel()
+    main_slots, stash_slots = main_record.numel(), stash_record.numel()
+    e, p = down_slots.numel(), up_slots.numel()
+    args = HostExchangeArgs(
+        weights=tensor_ptr(weights, "weights", torch.float32, (R, dim)),
+        state=tensor_ptr(state, "state", torch.float32, (R, state_dim)) if state_dim else None,
+        table_rows=R,
+        dim=dim,
+        state_dim=state_dim,
+        rows=tensor_ptr(rows, "rows", torch.float32, (M, dim + state_dim)),
+        record_ids=tensor_ptr(record_ids, "record_ids", i64, (M,)),
+        record_scores=tensor_ptr(record_scores, "record_scores", i64, (M,)),
+        num_records=M,
+        free_list=tensor_ptr(free_list, "free_list", i64, (M,)),
+        free_count=tensor_ptr(free_count, "free_count", i64, (1,)),
+        main_keys=tensor_ptr(main_keys, "main_keys", i64, (-1, WAYS)),
+        main_scores=tensor_ptr(main_scores, "main_scores", i64, tuple(main_keys.shape)),
+        main_record=tensor_ptr(main_record, "main_record", i64, (main_keys.numel(),)),
+        main_slots=main_slots,
+        stash_keys=tensor_ptr(stash_keys, "stash_keys", i64, (-1, WAYS)),
+        stash_scores=tensor_ptr(stash_scores, "stash_scores", i64, tuple(stash_keys.shape)),
+        stash_record=tensor_ptr(stash_record, "stash_record", i64, (stash_keys.numel(),)),
+        stash_slots=stash_slots,
+        down_slots=tensor_ptr(down_slots, "down_slots", i64, (e,)),
+        down_ids=tensor_ptr(down_ids, "down_ids", i64, (e,)),
+        down_scores=tensor_ptr(down_scores, "down_scores", i64, (e,)),
+        down_host_slots=tensor_ptr(down_host_slots, "down_host_slots", i64, (e,)),
+        num_down=e,
+        up_host_slots=tensor_ptr(up_host_slots, "up_host_slots", i64, (p,)),
+        up_slots=tensor_ptr(up_slots, "up_slots", i64, (p,)),
+        num_up=p,
+        num_threads=threads(num_threads, (e + p) * (dim + state_dim)),
+    )
+    check_status(library().kv_host_exchange(ctypes.byref(args)), "host_exchange")
