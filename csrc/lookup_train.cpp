@@ -101,11 +101,11 @@ struct TableInfo {
     }
     return -1;
   }
-  // The memory score kept with the record at global tier ``slot``.
-  int64_t tier_score(int64_t slot) const {
-    const int64_t record = slot < tier_main_slots ? tier_main_record[slot]
-                                                  : tier_stash_record[slot - tier_main_slots];
-    return tier_record_scores[record];
+  // The record at global tier ``slot`` (-1: none: an id placed by a write not
+  // finished, never seen between calls).
+  int64_t tier_record(int64_t slot) const {
+    return slot < tier_main_slots ? tier_main_record[slot]
+                                  : tier_stash_record[slot - tier_main_slots];
   }
 
   // The score value of a unique id seen ``count`` times with custom max ``top``.
@@ -356,9 +356,10 @@ class TrainLookup {
     if (u_tier_slot_) {  // the table's tier index, probed here
       if (!tab.tier_main_keys) return;
       const int64_t slot = tab.tier_find(u_id_[pos]);
-      if (slot < 0) return;
+      const int64_t record = slot < 0 ? -1 : tab.tier_record(slot);
+      if (record < 0) return;
       u_tier_slot_[pos] = slot;
-      tier_score = tab.tier_score(slot);
+      tier_score = tab.tier_record_scores[record];
     } else {
       const int64_t* end = a_.promote_ids + promote_begin_[t + 1];
       const int64_t* at = std::lower_bound(a_.promote_ids + promote_begin_[t], end, u_id_[pos]);

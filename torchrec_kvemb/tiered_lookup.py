@@ -100,6 +100,7 @@ _POOL: tuple[int, ThreadPoolExecutor] | None = None
 #: against 52.6 ms on the calling thread, each system timed on its own; one
 #: other thread was slower than the calling thread; docs/ssd-tier.md).
 TIER_THREADS = 2
+EXCHANGE_THREADS = True
 
 
 def _threads(threads: int) -> bool:
@@ -167,6 +168,22 @@ def _serial_torch_ops() -> Iterator[int]:
         yield threads
     finally:
         torch.set_num_threads(threads)
+
+
+@contextmanager
+def _torch_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op threads at ``threads`` for a native call inside
+    ``_serial_torch_ops`` that sizes its own work by them (the host exchange's row
+    copies: 1.06 against 1.24 ms with 2 threads, ``benchmarks.host_tier`` sizes)."""
+    if threads == torch.get_num_threads():
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _native_pass(
@@ -317,7 +334,9 @@ def _lookup_train_tiers(
     owner = out.unique_table
     prom = from_ssd.nonzero().squeeze(1)
     if direct:
-        up_rows, row_of, promoted_rows = _exchange(tables, storage, row_offsets, out, prom)
+        up_rows, row_of, promoted_rows = _exchange(
+            tables, storage, row_offsets, out, prom, threads
+        )
         tiers_done = None
     else:
         if prom.numel() != sum(f.ids.numel() for f in fetched):
@@ -395,6 +414,7 @@ def _exchange(
     row_offsets: Sequence[int],
     out: native.TrainLookup,
     prom: torch.Tensor,
+    threads: int,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[int]]:
     """The tiers' share where each trades rows with the group's arrays directly
     (``LowerTier.exchange``, CPU): per table, its evicted rows go down and its
@@ -426,7 +446,8 @@ def _exchange(
             stays.append(mine[stay])
             stay_rows.append(table.tier.read_rows(tier_slots[stay]))
         promoted_rows[t] = mine.numel() - stay.numel()
-        table.exchange_lower(weights, state, *evicted, up_ids, tier_slots, up_slots)
+        with _torch_threads(threads if EXCHANGE_THREADS else 1):
+            table.exchange_lower(weights, state, *evicted, up_ids, tier_slots, up_slots)
     if not stays:
         return None, None, promoted_rows
     at = torch.cat(stays)
