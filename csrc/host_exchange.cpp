@@ -35,6 +35,9 @@ struct HostIndex {
   int64_t* record(int64_t slot) const {
     return slot < a.main_slots ? a.main_record + slot : a.stash_record + (slot - a.main_slots);
   }
+  int64_t* score(int64_t slot) const {
+    return slot < a.main_slots ? a.main_scores + slot : a.stash_scores + (slot - a.main_slots);
+  }
   void clear(int64_t slot) const {
     if (slot < a.main_slots) {
       a.main_keys[slot] = -1;
@@ -54,7 +57,8 @@ int check(const KvHostExchangeArgs& a) {
       a.num_up < 0 || a.main_slots < 0 || a.stash_slots < 0) {
     return KV_BAD_ARGUMENT;
   }
-  if ((a.state_dim > 0 && a.state == nullptr) || (a.stash_slots > 0 && a.stash_keys == nullptr)) {
+  if ((a.state_dim > 0 && a.state == nullptr) ||
+      (a.stash_slots > 0 && (!a.stash_keys || !a.stash_scores || !a.stash_record))) {
     return KV_BAD_ARGUMENT;
   }
   const int64_t free_count = *a.free_count;
@@ -96,6 +100,7 @@ extern "C" int kv_host_exchange(const KvHostExchangeArgs* args) {
   for (int64_t k = 0; k < a.num_down; ++k) {
     const int64_t record = down_record(k);
     *index.record(a.down_host_slots[k]) = record;
+    *index.score(a.down_host_slots[k]) = a.down_scores[k];
     a.record_ids[record] = a.down_ids[k];
     a.record_scores[record] = a.down_scores[k];
   }

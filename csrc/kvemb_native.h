@@ -17,7 +17,7 @@ extern "C" {
 
 // Bump on any change of a signature or struct below; native.py refuses a
 // library whose version differs (a stale build).
-#define KV_ABI_VERSION 15
+#define KV_ABI_VERSION 16
 
 enum KvStatus {
   KV_OK = 0,
@@ -168,16 +168,16 @@ typedef struct KvTrainArgs {
   // Instead of promote_ids (num_promote 0), optional: each table's host tier
   // index, probed for the table's ids not in memory ([T, KV_TIER_INDEX_COLUMNS]
   // int64: main keys address, main buckets, stash keys address (0: none),
-  // stash buckets, main records address, stash records address, record
-  // memory scores address; a row whose first entry is 0: no tier). A held id
-  // is promoted as above, with its record's memory score; unique_tier_slots
+  // stash buckets, main scores address, stash scores address; the index's
+  // score of an id is its memory score; a row whose first entry is 0: no
+  // tier). A held id is promoted as above, with that score; unique_tier_slots
   // [U] (with tier_index) gets its global tier slot (stash slots after the
   // main ones), -1 where not promoted. The tier is only read.
   const int64_t* tier_index;
   int64_t* unique_tier_slots;
 } KvTrainArgs;
 
-#define KV_TIER_INDEX_COLUMNS 7
+#define KV_TIER_INDEX_COLUMNS 6
 
 // Bits of KvTrainArgs.unique_flags.
 enum KvUniqueFlag {
@@ -375,7 +375,8 @@ int kv_crc32_copy(uint8_t* dst, const uint8_t* src, int64_t n, uint32_t crc, uin
 // 1. down: the table's rows at down_slots[k] (weights [table_rows, dim], state
 //    [table_rows, state_dim]) go to records popped from free_list (the last of
 //    its *free_count entries first) at the index slots down_host_slots[k],
-//    placed already (record -1 there), with their ids and memory scores;
+//    placed already (record -1 there), with their ids and memory scores (in
+//    the records and as the index slots' scores);
 // 2. up: the records at the index slots up_host_slots[p] are copied to the
 //    table's rows at up_slots[p] (-1: not copied);
 // 3. the up ids leave the index (key -1, score 0, record -1) and their records

@@ -81,31 +81,29 @@ struct TableInfo {
   UniformInit init;
   // The table's host tier index (KvTrainArgs.tier_index), probed for its new ids.
   const int64_t* tier_main_keys = nullptr;  // null: no tier index
+  const int64_t* tier_main_scores = nullptr;
   const int64_t* tier_stash_keys = nullptr;
-  const int64_t* tier_main_record = nullptr;
-  const int64_t* tier_stash_record = nullptr;
-  const int64_t* tier_record_scores = nullptr;
+  const int64_t* tier_stash_scores = nullptr;
   FastMod tier_main_mod, tier_stash_mod;
   int64_t tier_main_slots = 0;
 
-  // The tier's global slot of ``id`` (main part, then stash), -1: not held.
-  int64_t tier_find(int64_t id) const {
+  // The tier's global slot of ``id`` (main part, then stash), -1: not held;
+  // ``score``: the memory score the index keeps there.
+  int64_t tier_find(int64_t id, int64_t* score) const {
     const int64_t b = index_bucket(id, tier_main_mod);
     if (const uint32_t m = match(tier_main_keys + b * kWays, id)) {
-      return b * kWays + __builtin_ctz(m);
+      const int64_t slot = b * kWays + __builtin_ctz(m);
+      *score = tier_main_scores[slot];
+      return slot;
     }
     if (!tier_stash_keys) return -1;
     const int64_t s = index_bucket(id, tier_stash_mod);
     if (const uint32_t m = match(tier_stash_keys + s * kWays, id)) {
-      return tier_main_slots + s * kWays + __builtin_ctz(m);
+      const int64_t slot = s * kWays + __builtin_ctz(m);
+      *score = tier_stash_scores[slot];
+      return tier_main_slots + slot;
     }
     return -1;
-  }
-  // The record at global tier ``slot`` (-1: none: an id placed by a write not
-  // finished, never seen between calls).
-  int64_t tier_record(int64_t slot) const {
-    return slot < tier_main_slots ? tier_main_record[slot]
-                                  : tier_stash_record[slot - tier_main_slots];
   }
 
   // The score value of a unique id seen ``count`` times with custom max ``top``.
@@ -228,8 +226,7 @@ class TrainLookup {
       tab.init = UniformInit(a_.seed_mix[t], a_.init_low[t], a_.init_high[t]);
       if (a_.tier_index && a_.tier_index[t * KV_TIER_INDEX_COLUMNS] != 0) {
         const int64_t* row = a_.tier_index + t * KV_TIER_INDEX_COLUMNS;
-        if (row[1] < 1 || (row[2] != 0 && row[3] < 1) || !row[4] || (row[2] && !row[5]) ||
-            !row[6] || a_.num_promote) {
+        if (row[1] < 1 || !row[4] || (row[2] != 0 && (row[3] < 1 || !row[5])) || a_.num_promote) {
           return KV_BAD_ARGUMENT;
         }
         tab.tier_main_keys = reinterpret_cast<const int64_t*>(row[0]);
@@ -237,9 +234,8 @@ class TrainLookup {
         tab.tier_main_slots = row[1] * kWays;
         tab.tier_stash_keys = reinterpret_cast<const int64_t*>(row[2]);
         tab.tier_stash_mod = FastMod(static_cast<uint64_t>(row[2] ? row[3] : 1));
-        tab.tier_main_record = reinterpret_cast<const int64_t*>(row[4]);
-        tab.tier_stash_record = reinterpret_cast<const int64_t*>(row[5]);
-        tab.tier_record_scores = reinterpret_cast<const int64_t*>(row[6]);
+        tab.tier_main_scores = reinterpret_cast<const int64_t*>(row[4]);
+        tab.tier_stash_scores = reinterpret_cast<const int64_t*>(row[5]);
       }
       tables_.push_back(tab);
       owner_.add(tab.bucket_offset, tab.bucket_offset + a_.num_buckets[t], t);
@@ -355,11 +351,9 @@ class TrainLookup {
     int64_t tier_score;
     if (u_tier_slot_) {  // the table's tier index, probed here
       if (!tab.tier_main_keys) return;
-      const int64_t slot = tab.tier_find(u_id_[pos]);
-      const int64_t record = slot < 0 ? -1 : tab.tier_record(slot);
-      if (record < 0) return;
+      const int64_t slot = tab.tier_find(u_id_[pos], &tier_score);
+      if (slot < 0) return;
       u_tier_slot_[pos] = slot;
-      tier_score = tab.tier_record_scores[record];
     } else {
       const int64_t* end = a_.promote_ids + promote_begin_[t + 1];
       const int64_t* at = std::lower_bound(a_.promote_ids + promote_begin_[t], end, u_id_[pos]);

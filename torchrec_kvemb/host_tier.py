@@ -21,7 +21,9 @@ Bounded (``capacity`` or ``memory_budget_bytes``): the index has that many
 slots and ranks a new row against the held ones by the tier's eviction scores;
 the rows it drops go to the SSD tier (or are dropped, counted in
 ``host_evictions``). Unbounded: the index and the arrays grow, nothing is
-dropped.
+dropped, and the index's score of an id is its memory score (it never ranks),
+so that the native training lookup reads a held id's score where it finds it
+(``probe_arrays``, ``exchange``: docs/tiers.md, "Transfers").
 
 **Slots.** ``lookup`` gives host slots below ``LOWER_SLOT_OFFSET``, and the SSD
 tier's slots plus that offset, so that ``fetch`` and ``remove`` route each
@@ -357,8 +359,8 @@ class HostTier(LowerTier):
         if ids.numel() == 0:
             return
         rows = rows.to(torch.float32)
-        if self._capacity is None:
-            slots = self._index.add(ids, tier_scores)
+        if self._capacity is None:  # an index that never ranks keeps the memory scores
+            slots = self._index.add(ids, memory_scores)
             stored = torch.ones(ids.numel(), dtype=torch.bool)
             old = torch.empty(0, dtype=torch.int64)
         else:
@@ -426,11 +428,11 @@ class HostTier(LowerTier):
         return self._capacity is None and self.lower is None
 
     def probe_arrays(self) -> tuple[torch.Tensor, ...]:
-        """``LowerTier.probe_arrays``: the index's main part and stash, and the records'
-        memory scores."""
+        """``LowerTier.probe_arrays``: the index's main part and stash (keys, and the
+        memory scores a tier without a bound keeps as its index scores)."""
         self._check_open()
-        main_keys, _, main_record, stash_keys, _, stash_record = self._index.arrays()
-        return main_keys, stash_keys, main_record, stash_record, self._scores
+        main_keys, main_scores, _, stash_keys, stash_scores, _ = self._index.arrays()
+        return main_keys, stash_keys, main_scores, stash_scores
 
     def read_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """``LowerTier.read_rows``: the rows at host ``slots``."""
@@ -459,7 +461,7 @@ class HostTier(LowerTier):
         n, p = down_ids.numel(), up_tier_slots.numel()
         self._make_room(n)
         generation = self._index.generation
-        host_slots = self._index.add(down_ids, tier_scores) if n else down_ids
+        host_slots = self._index.add(down_ids, None) if n else down_ids  # scores: below
         if self._index.generation != generation and p:  # entries moved: probe again
             up_tier_slots = self._index.probe(up_ids)
         free_count = torch.tensor([self._free_count])

@@ -192,8 +192,10 @@ class SlotIndex:
         stored = result.slots >= 0
         return stored, result.slots[stored], evicted
 
-    def add(self, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Unbounded: store absent ``ids`` with scores ``values``; their slots."""
+    def add(self, ids: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor:
+        """Unbounded: store absent ``ids`` with scores ``values``; their slots. None:
+        scores left as they are (an index that never ranks its ids: a host tier
+        without a bound)."""
         n = ids.numel()
         buckets = self._main.index.num_buckets
         while self.size + n > MAX_LOAD * buckets * WAYS:
@@ -206,11 +208,13 @@ class SlotIndex:
             slots[over] = self._place_stash(ids[over])
             if self._stash.index.size > self.main_slots // STASH_SHARE:
                 self.size += n
-                self.set_scores(slots, values)
+                if values is not None:
+                    self.set_scores(slots, values)
                 self._rehash(2 * self._main.index.num_buckets)
                 return self.probe(ids)
         self.size += n
-        self.set_scores(slots, values)
+        if values is not None:
+            self.set_scores(slots, values)
         return slots
 
     def _place_stash(self, ids: torch.Tensor) -> torch.Tensor:

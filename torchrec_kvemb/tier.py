@@ -190,10 +190,10 @@ class LowerTier(ABC):
         return False
 
     def probe_arrays(self) -> tuple[torch.Tensor, ...]:
-        """``(main keys, stash keys, main records, stash records, records' memory
-        scores)``: the tier's index as the native training lookup probes it for the
-        batch's ids not in memory (``native.TierIndex``; ``exchanges_rows`` only).
-        Read-only, and valid until the tier's next write."""
+        """``(main keys, stash keys, main scores, stash scores)``: the tier's index,
+        whose score of an id is its memory score, as the native training lookup
+        probes it for the batch's ids not in memory (``native.tier_index_row``;
+        ``exchanges_rows`` only). Read-only, and valid until the tier's next write."""
         raise NotImplementedError(f"{type(self).__name__} does not exchange rows")
 
     def exchange(

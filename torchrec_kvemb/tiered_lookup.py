@@ -334,9 +334,7 @@ def _lookup_train_tiers(
     owner = out.unique_table
     prom = from_ssd.nonzero().squeeze(1)
     if direct:
-        up_rows, row_of, promoted_rows = _exchange(
-            tables, storage, row_offsets, out, prom, threads
-        )
+        up_rows, row_of, promoted_rows = _exchange(tables, storage, row_offsets, out, prom, threads)
         tiers_done = None
     else:
         if prom.numel() != sum(f.ids.numel() for f in fetched):

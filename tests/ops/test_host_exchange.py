@@ -248,6 +248,7 @@ def test_small_case_by_hand() -> None:
     want.rows[1] = torch.tensor([4.5, 5.5, 12.0])
     want.rows[3] = torch.tensor([0.5, 1.5, 10.0])
     want.main_record[0], want.stash_record[1] = 1, 3
+    want.main_scores[0, 0], want.stash_scores[0, 1] = 70, 80  # the index keeps memory scores
     # up: record 2 (id 200) to table row 2, after row 2 went down; record 0 not copied
     want.weights[2] = torch.tensor([106.0, 107.0])
     want.state[2] = torch.tensor([108.0])

@@ -178,7 +178,7 @@ def test_tier_index_matches_promotions(
     if stash == "no-stash-array":  # a tier without stash entries, given no stash
         assert int((arrays[1] >= 0).sum()) == 0
         empty = torch.empty(0, WAYS, dtype=torch.int64)
-        arrays = (arrays[0], empty, arrays[2], torch.empty(0, dtype=torch.int64), arrays[4])
+        arrays = (arrays[0], empty, arrays[2], empty.clone())
     index = native.TierIndex(tier_rows([arrays] + [None] * (T - 1)), arrays)
     before = snapshot(tier)
 
@@ -237,9 +237,8 @@ def test_tier_index_matches_promotions(
 BAD_ROWS = {
     "main-buckets-0": (1, 0),
     "stash-buckets-0": (3, 0),
-    "no-main-records": (4, 0),
-    "no-stash-records": (5, 0),
-    "no-record-scores": (6, 0),
+    "no-main-scores": (4, 0),
+    "no-stash-scores": (5, 0),
 }
 
 
@@ -270,9 +269,9 @@ def test_tier_index_rows_are_checked() -> None:
     the wrong number of rows is refused."""
     gen = torch.Generator().manual_seed(6)
     tier = make_tier(gen, LRU, True)
-    main_keys, stash_keys, main_record, stash_record, record_scores = tier.probe_arrays()
-    with pytest.raises(ValueError, match="tier main records"):
-        native.tier_index_row(main_keys, stash_keys, main_record[:-1], stash_record, record_scores)
+    main_keys, stash_keys, main_scores, stash_scores = tier.probe_arrays()
+    with pytest.raises(ValueError, match="tier main scores"):
+        native.tier_index_row(main_keys, stash_keys, main_scores[:-1], stash_scores)
     layout = GroupLayout.of([7, 5], [LRU, LRU], [InitSpec(0, False, -0.1, 0.1)] * 2)
     arrays = tier.probe_arrays()
     with pytest.raises(ValueError, match="tier index"):

@@ -9,8 +9,9 @@ slot below ``main_record.numel()`` is the main part's). In this order:
 
 1. down: the table's rows at ``down_slots`` go to records popped from the free
    list (the last entry first), set at the index slots ``down_host_slots``
-   (placed already: their keys and tier scores are written), with their ids and
-   memory scores;
+   (placed already: their keys are written), with their ids and memory scores
+   (in the records, and as those index slots' scores: the index of a host
+   tier that never ranks keeps each id's memory score);
 2. up: the rows of the records at the index slots ``up_host_slots`` go to the
    table's rows at ``up_slots`` (-1: not copied);
 3. the up ids leave the index (key -1, score 0, record -1), their records go
@@ -89,6 +90,7 @@ def host_exchange_torch(
     # 1. down
     records = free_list[top - n : top].flip(0)
     _write(main_record, stash_record, down_host_slots, records)
+    _write(main_scores, stash_scores, down_host_slots, down_scores)
     record_ids[records] = down_ids
     record_scores[records] = down_scores
     down = torch.cat([weights[down_slots].float(), state[down_slots]], dim=1)

@@ -435,12 +435,12 @@ class TierPromotion(NamedTuple):
 
 
 #: Columns of ``TierIndex.rows`` (KV_TIER_INDEX_COLUMNS in csrc/kvemb_native.h).
-TIER_INDEX_COLUMNS = 7
+TIER_INDEX_COLUMNS = 6
 
 
 class TierIndex(NamedTuple):
     """Each table's host tier index, probed by ``lookup_train_group`` itself for the
-    table's ids not in memory (instead of a ``TierPromotion``): ``rows [T, 7]`` of
+    table's ids not in memory (instead of a ``TierPromotion``): ``rows [T, 6]`` of
     addresses and sizes (``tier_index_row``; zeros: no tier), and the tensors they
     point into (held for the call)."""
 
@@ -451,13 +451,12 @@ class TierIndex(NamedTuple):
 def tier_index_row(
     main_keys: torch.Tensor,
     stash_keys: torch.Tensor,
-    main_record: torch.Tensor,
-    stash_record: torch.Tensor,
-    record_scores: torch.Tensor,
+    main_scores: torch.Tensor,
+    stash_scores: torch.Tensor,
 ) -> list[int]:
     """One table's row of ``TierIndex.rows``: a host tier's main part and stash
-    (``[buckets, WAYS]`` keys, a record per slot; an empty stash: none) and its
-    records' memory scores, checked as the kernel reads them."""
+    (``[buckets, WAYS]`` keys and scores, each id's score its memory score; an
+    empty stash: none), checked as the kernel reads them."""
     nb, sb = main_keys.shape[0], stash_keys.shape[0]
     stash = sb > 0
     return [
@@ -465,9 +464,8 @@ def tier_index_row(
         nb,
         tensor_ptr(stash_keys, "tier stash keys", torch.int64, (sb, WAYS)) if stash else 0,
         sb,
-        tensor_ptr(main_record, "tier main records", torch.int64, (nb * WAYS,)),
-        tensor_ptr(stash_record, "tier stash records", torch.int64, (sb * WAYS,)) if stash else 0,
-        tensor_ptr(record_scores, "tier record scores", torch.int64, (-1,)),
+        tensor_ptr(main_scores, "tier main scores", torch.int64, (nb, WAYS)),
+        tensor_ptr(stash_scores, "tier stash scores", torch.int64, (sb, WAYS)) if stash else 0,
     ]
 
 
