@@ -95,12 +95,14 @@ def test_a_starved_thread_is_raised_and_finishes(monkeypatch):
     """Busy processes on every core starve an idle thread; after ``STALL_S`` of it
     the watchdog raises it to nice 19 and its work completes."""
     monkeypatch.setattr(priority, "STALL_S", 0.5)
+    spin = "import sys; sys.stdout.write('x'); sys.stdout.flush()\nwhile True: pass"
     spinners = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE)
         for _ in range((os.cpu_count() or 1) + 1)
     ]
     try:
-        time.sleep(0.2)
+        for p in spinners:  # every core busy before the idle thread starts (why: a
+            p.stdout.read(1)  # fixed sleep under load let it run before the spinners)
         save = priority.SavePriority(idle=True)
         save.watch()
         states: list[tuple[int, int]] = []

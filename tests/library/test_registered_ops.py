@@ -148,6 +148,28 @@ def _index(group: KVTableGroup) -> tuple[torch.Tensor, torch.Tensor]:
     return table.keys.clone(), table.scores.clone()
 
 
+def _host_exchange_args() -> tuple:
+    """A host tier of 8 records (ids 100 and 101 held at main slots 5 and 20, the
+    other records free) and a table of 11 rows: rows 3 and 9 go down to slots 7
+    (main) and 51 (stash, placed), ids 100 and 101 come up (100 to row 3, 101 not
+    copied)."""
+    main_keys, stash_keys = torch.full((3, 16), -1), torch.full((1, 16), -1)
+    main_keys.view(-1)[torch.tensor([5, 20, 7])] = torch.tensor([100, 101, 200])
+    stash_keys.view(-1)[3] = 201  # global slot 48 + 3
+    main_record = torch.full((48,), -1)
+    main_record[torch.tensor([5, 20])] = torch.tensor([0, 1])
+    record_ids = torch.full((8,), -1)
+    record_ids[:2] = torch.tensor([100, 101])
+    return (
+        torch.rand(11, DIM), torch.rand(11, 1), torch.rand(8, DIM + 1), record_ids,
+        torch.arange(8), torch.tensor([7, 6, 5, 4, 3, 2, 0, 0]), torch.tensor([6]),
+        main_keys, torch.zeros(3, 16, dtype=torch.int64), main_record,
+        stash_keys, torch.zeros(1, 16, dtype=torch.int64), torch.full((16,), -1),
+        torch.tensor([3, 9]), torch.tensor([200, 201]), torch.tensor([4, 5]),
+        torch.tensor([7, 51]), torch.tensor([5, 20]), torch.tensor([3, -1]),
+    )  # fmt: skip
+
+
 CASES: dict[str, Callable[[KVTableGroup], tuple]] = {
     "index_bucket": lambda g: (_batch()[0], 13),
     "probe": lambda g: (_index(g)[0], _batch()[0]),
@@ -176,6 +198,7 @@ CASES: dict[str, Callable[[KVTableGroup], tuple]] = {
     "rows_forward": lambda g: _forward_args(g, pooled=False, missing_as_zero=False),
     "fused_backward": _backward_args,
     "block_bucketize": lambda g: _bucketize_args(),
+    "host_exchange": lambda g: _host_exchange_args(),
 }
 
 
