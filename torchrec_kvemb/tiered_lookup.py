@@ -22,6 +22,14 @@ native group kernel per step, whatever the number of tables:
    (``write_scratch``, ``ssd/scratch.py``); a TTL table then sweeps its memory
    rows and its tiers (``TableTTL.sweep``).
 
+On the CPU, where every table's tier trades rows with the table's arrays
+directly (``LowerTier.exchanges_rows``: host tiers without a bound), steps 1 and
+3-4 shrink: nothing is looked up before the kernel, which probes each tier's
+index itself (``native.TierIndex``, ``LowerTier.probe_arrays``), and each
+table's tier share is one ``exchange_lower`` (``_exchange``): its evicted rows
+straight into the tier, then its promoted rows straight to their slots, no
+buffer between (docs/tiers.md, "Transfers").
+
 Only public methods of the tables and of their tiers (``tier.LowerTier``) are
 used: the tables are ``TieredKVTable``s (typed by their base, ``KVTable``:
 ``tiered`` imports this module). The native kernel runs on the CPU, where the
@@ -100,7 +108,6 @@ _POOL: tuple[int, ThreadPoolExecutor] | None = None
 #: against 52.6 ms on the calling thread, each system timed on its own; one
 #: other thread was slower than the calling thread; docs/ssd-tier.md).
 TIER_THREADS = 2
-EXCHANGE_THREADS = True
 
 
 def _threads(threads: int) -> bool:
@@ -416,11 +423,11 @@ def _exchange(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[int]]:
     """The tiers' share where each trades rows with the group's arrays directly
     (``LowerTier.exchange``, CPU): per table, its evicted rows go down and its
-    promoted rows (the uniques ``prom`` of the kernel, at the tier slots it found)
-    come up in one ``exchange_lower``, each row copied once. Returns the rows of the promoted
-    ids that got no memory row (read first, for their scratch rows; None: none),
-    each promoted unique's position among them (-1: none), and each table's rows
-    promoted to memory."""
+    promoted rows (the uniques ``prom`` of the kernel, at the tier slots it
+    found) come up in one ``exchange_lower``, each row copied once. Returns the
+    rows of the promoted ids that got no memory row (read first, for their
+    scratch rows; None: none), each promoted unique's position among them (-1:
+    none), and each table's rows promoted to memory."""
     T = len(tables)
     weights, state = storage.weights, storage.state
     ev_owner = prom_owner = None
@@ -444,7 +451,7 @@ def _exchange(
             stays.append(mine[stay])
             stay_rows.append(table.tier.read_rows(tier_slots[stay]))
         promoted_rows[t] = mine.numel() - stay.numel()
-        with _torch_threads(threads if EXCHANGE_THREADS else 1):
+        with _torch_threads(threads):
             table.exchange_lower(weights, state, *evicted, up_ids, tier_slots, up_slots)
     if not stays:
         return None, None, promoted_rows
