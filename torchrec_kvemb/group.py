@@ -48,6 +48,7 @@ from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import WAYS, KVTableOptions
 from torchrec_kvemb.ssd.scratch import ScratchPad
 from torchrec_kvemb.table import KVTable, grown_storage
+from torchrec_kvemb.tiered_eval import lookup_eval_tiers
 from torchrec_kvemb.tiered_lookup import lookup_train_tiers
 from torchrec_kvemb.ttl import GroupTTL
 
@@ -312,7 +313,11 @@ class KVTableGroup:
         """Global slots of an evaluation batch (read-only); -1 for ids not stored."""
         if self.pad is not None:
             self._begin_tiered_batch()
-            return self.lookup_eval_per_table(ids, table_idx)
+            # why the torch backend per table: it is the reference the group pass equals
+            # (tests/test_tiered_eval.py), as for training.
+            if self.backend(ids.device) == "torch":
+                return self.lookup_eval_per_table(ids, table_idx)
+            return lookup_eval_tiers(self.tables, ids, table_idx)  # one move per direction
         if self.per_table_only or self.backend(ids.device) == "torch":
             return self.lookup_eval_per_table(ids, table_idx)
         return dispatch.group_lookup_eval(self.layout, self.storage, ids, table_idx, self.metrics)
