@@ -12,7 +12,8 @@ semantics do not change: buckets of two tables never mix.
 Tables with SSD tiers keep their own SSD stores (files, flushes, ``resume``)
 and share one scratch pad after the group's rows (``ssd/scratch.py``); their
 training lookup is one pass for all of them (``tiered_lookup.py``: the native
-kernel on the CPU, the Triton kernels on CUDA).
+kernel on the CPU, the Triton kernels on CUDA), and their evaluation lookup
+moves their rows in one gather and one scatter (``tiered_eval.py``).
 
 A batch of the group is ``ids [n]`` with ``table_idx [n]`` (the table of each
 id; -1: not this group's) and is looked up in one call per step
