@@ -12,7 +12,8 @@ semantics do not change: buckets of two tables never mix.
 Tables with SSD tiers keep their own SSD stores (files, flushes, ``resume``)
 and share one scratch pad after the group's rows (``ssd/scratch.py``); their
 training lookup is one pass for all of them (``tiered_lookup.py``: the native
-kernel on the CPU, the Triton kernels on CUDA).
+kernel on the CPU, the Triton kernels on CUDA), and their evaluation lookup
+moves their rows in one gather and one scatter (``tiered_eval.py``).
 
 A batch of the group is ``ids [n]`` with ``table_idx [n]`` (the table of each
 id; -1: not this group's) and is looked up in one call per step
@@ -48,6 +49,7 @@ from torchrec_kvemb.optimizer import FusedOptimConfig
 from torchrec_kvemb.options import WAYS, KVTableOptions
 from torchrec_kvemb.ssd.scratch import ScratchPad
 from torchrec_kvemb.table import KVTable, grown_storage
+from torchrec_kvemb.tiered_eval import lookup_eval_tiers
 from torchrec_kvemb.tiered_lookup import lookup_train_tiers
 from torchrec_kvemb.ttl import GroupTTL
 
@@ -312,7 +314,11 @@ class KVTableGroup:
         """Global slots of an evaluation batch (read-only); -1 for ids not stored."""
         if self.pad is not None:
             self._begin_tiered_batch()
-            return self.lookup_eval_per_table(ids, table_idx)
+            # why the torch backend per table: it is the reference the group pass equals
+            # (tests/test_tiered_eval.py), as for training.
+            if self.backend(ids.device) == "torch":
+                return self.lookup_eval_per_table(ids, table_idx)
+            return lookup_eval_tiers(self.tables, ids, table_idx)  # one move per direction
         if self.per_table_only or self.backend(ids.device) == "torch":
             return self.lookup_eval_per_table(ids, table_idx)
         return dispatch.group_lookup_eval(self.layout, self.storage, ids, table_idx, self.metrics)

@@ -22,6 +22,9 @@ through the table's public steps: ``settle``, ``fetch_lower``, ``reserve_batch``
 ``demote_rows``, ``write_scratch``, ``advance_step`` and ``tier``; it moves the
 rows of all its tables in one gather and one scatter (``transfers.py``), as
 ``demote`` and ``promote`` do for one table (on CUDA: copies on a side stream).
+The evaluation lookup is steps too (``plan_eval``, the moves, ``finish_eval``),
+which a group composes for all its tables (``tiered_eval.py``), moving their rows
+likewise in one gather and one scatter.
 
 The two tiers never hold the same id. ``KVTable(..., options)`` with
 ``options.ssd`` builds this class. See docs/ssd-tier.md.
@@ -45,6 +48,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from torchrec_kvemb.backend import implementation
@@ -67,6 +72,30 @@ def _scores_at(before: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor) -
     scores of some buckets before an insert)."""
     buckets, scores = before
     return scores[torch.searchsorted(buckets, slots // WAYS), slots % WAYS]
+
+
+class EvalPlan(NamedTuple):
+    """An evaluation batch's index and tier work (``TieredKVTable.plan_eval``): what
+    is left to move. Slots are the table's own (from its first row); ``rows`` and
+    ``scores`` in host memory where planned ``on_host``, as the indices into them."""
+
+    #: Each unique id's memory slot, -1 where none (scratch rows: ``finish_eval``).
+    slots: torch.Tensor
+    #: Each id's position among the unique ids.
+    inverse: torch.Tensor
+    #: The rows the promotions evict from memory, their slots and memory scores.
+    evicted_ids: torch.Tensor
+    evicted_slots: torch.Tensor
+    evicted_scores: torch.Tensor
+    #: The tier's rows ``[k, dim + state_dim]`` of the promoted ids, their memory scores.
+    rows: torch.Tensor
+    scores: torch.Tensor
+    #: Which of ``rows`` took memory rows, and their slots.
+    placed: torch.Tensor
+    placed_slots: torch.Tensor
+    #: Which of ``rows`` found no memory row, and their positions among the unique ids.
+    left: torch.Tensor
+    left_at: torch.Tensor
 
 
 class TieredKVTable(KVTable, serves_ssd=True):
@@ -349,19 +378,39 @@ class TieredKVTable(KVTable, serves_ssd=True):
         """``KVTable.lookup_eval`` over both tiers: ids held by the SSD tier are promoted
         (outranking unprotected stored ids; the batch's hits keep their rows and
         scores), so that the pooled lookup finds them in memory; those that find no
-        memory row are read into scratch rows for the batch."""
+        memory row are read into scratch rows for the batch. The steps a group over
+        tiers composes for all its tables at once (``tiered_eval``): ``plan_eval``,
+        then the evicted rows down and the promoted rows up, then ``finish_eval``."""
         self._begin_batch()
+        plan = self.plan_eval(ids)
+        # why this order: every evicted row is read before a promoted row may take its slot
+        self.demote(plan.evicted_ids, plan.evicted_slots, plan.evicted_scores)
+        scatter_up(self.weights, self.state, plan.placed_slots, plan.rows[plan.placed])
+        return self.finish_eval(plan)
+
+    def plan_eval(self, ids: torch.Tensor, on_host: bool = False) -> EvalPlan:
+        """The index and tier work of an evaluation batch (``lookup_eval``), no row
+        moved: the batch's ids the lower tier holds are read (``fetch_lower``; rows
+        and scores in host memory with ``on_host``) and compete for memory rows
+        (growing first, a table below its maximum), the rows they evict are to be
+        demoted, and those that took memory rows have left the tier. The caller then
+        demotes the evicted rows (``demote_rows`` of their gathered rows) before it
+        writes the placed rows at their slots, then calls ``finish_eval``."""
         uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
         mem_slots = self.index.probe(uniq)
         hit = mem_slots >= 0
         miss = (~hit).nonzero().squeeze(1)
-        found, ssd_slots, ssd_scores, ssd_rows = self.fetch_lower(uniq, miss)
+        found, ssd_slots, ssd_scores, ssd_rows = self.fetch_lower(uniq, miss, on_host)
         if found.numel():
             self.reserve_batch(found.numel())  # every eviction makes room for a promotion
         self.count_hits(ids.numel(), counts, hit)
         self._count_ssd(counts, miss, found)
         if found.numel() == 0:
-            return mem_slots[inverse]
+            none, on_rows = mem_slots[:0], miss[:0].to(ssd_rows.device)
+            return EvalPlan(
+                mem_slots, inverse, none, none, none, ssd_rows, ssd_scores, on_rows, none,
+                on_rows, none,
+            )  # fmt: skip
         if self.capacity < self.max_capacity:  # grows before a promotion demotes
             self.make_room(uniq[found])
             mem_slots = self.index.probe(uniq)
@@ -385,14 +434,38 @@ class TieredKVTable(KVTable, serves_ssd=True):
         slots_u = mem_slots.clone()
         found_slots = result.slots[hit_idx.numel() :]
         slots_u[found] = found_slots
-        promoted = (found_slots >= 0).nonzero().squeeze(1)
-        self._tier.remove(ssd_slots[promoted.cpu()])
-        self._demote_evicted(result, before)
-        self.promote(found_slots[promoted], ssd_rows[promoted], ssd_scores[promoted])
+        placed = (found_slots >= 0).nonzero().squeeze(1)
+        self._tier.remove(ssd_slots[placed.cpu()])  # read already: their rows are ``ssd_rows``
         left = (found_slots < 0).nonzero().squeeze(1)
-        if left.numel():  # a read-only copy: their rows stay on the SSD tier
-            slots_u[found[left]] = self.write_scratch(ssd_rows[left])
-        return slots_u[inverse]
+        return EvalPlan(
+            slots_u,
+            inverse,
+            result.evicted_ids,
+            result.evicted_slots,
+            _scores_at(before, result.evicted_slots),
+            ssd_rows,
+            ssd_scores,
+            placed.to(ssd_rows.device),
+            found_slots[placed],
+            left.to(ssd_rows.device),
+            found[left],
+        )
+
+    def finish_eval(self, plan: EvalPlan, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The end of an evaluation batch (``plan_eval``), once the evicted rows went
+        down and the placed rows are at their slots: the placed rows' scores and
+        count, the scratch rows of the promoted ids that found no memory row (a
+        read-only copy: their rows stay in the tier), and the batch's slots.
+        ``rows``: ``plan.rows`` on the table's device, where the caller moved them
+        (a group's one copy up); default ``plan.rows``."""
+        rows = plan.rows if rows is None else rows
+        if plan.placed.numel():
+            placed_scores = plan.scores[plan.placed].to(self.device)
+            self.index.set_scores(plan.placed_slots, placed_scores)
+        self.count("promotions", plan.placed_slots.numel())
+        if plan.left.numel():  # a read-only copy: their rows stay in the tier
+            plan.slots[plan.left_at] = self.write_scratch(rows[plan.left.to(rows.device)])
+        return plan.slots[plan.inverse]
 
     # ------------------------------------------------------ reads and writes
     def insert(
