@@ -173,14 +173,16 @@ def _growing(all_in_memory: bool) -> KVEmbeddingBagCollection:
     return KVEmbeddingBagCollection(configs, options, fused_params=FUSED)
 
 
-def test_a_table_growing_in_a_group_evaluation_keeps_the_others_scratch_rows():
+@pytest.mark.parametrize("implementation", ["auto", "torch"])
+def test_a_table_growing_in_a_group_evaluation_keeps_the_others_scratch_rows(implementation):
     """Rows held by the tiers only: evaluation promotes them; "a" (at its maximum)
     serves some from scratch rows, "b" and "c" grow to take theirs, which
     reallocates the group's arrays and pad. The outputs and every table's rows
-    equal all in memory's. (Table by table, ``lookup_eval_per_table``, "a"'s
-    scratch rows are written before "b" grows and are lost with the old pad.)"""
+    equal all in memory's, on the native kernels and on the torch path. (Table by
+    table, ``lookup_eval_per_table``, "a"'s scratch rows are written before "b"
+    grows and are lost with the old pad.)"""
     assert native_lib.available(), native_lib.unavailable_reason()
-    with backend("auto"):
+    with backend(implementation):
         tiered, full = _growing(False), _growing(True)
         kjt = _batches()[0]
         gen = torch.Generator().manual_seed(3)

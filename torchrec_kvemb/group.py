@@ -314,11 +314,10 @@ class KVTableGroup:
         """Global slots of an evaluation batch (read-only); -1 for ids not stored."""
         if self.pad is not None:
             self._begin_tiered_batch()
-            # why the torch backend per table: it is the reference the group pass equals
-            # (tests/test_tiered_eval.py), as for training.
-            if self.backend(ids.device) == "torch":
-                return self.lookup_eval_per_table(ids, table_idx)
-            return lookup_eval_tiers(self.tables, ids, table_idx)  # one move per direction
+            # One move per direction, on every backend (why the torch one too: table by
+            # table, a table that grows replaces the pad under the scratch rows an
+            # earlier table of the batch wrote; the stages grow every table first).
+            return lookup_eval_tiers(self.tables, ids, table_idx)
         if self.per_table_only or self.backend(ids.device) == "torch":
             return self.lookup_eval_per_table(ids, table_idx)
         return dispatch.group_lookup_eval(self.layout, self.storage, ids, table_idx, self.metrics)

@@ -17,8 +17,10 @@ one scatter per step, as its training lookup's do (``tiered_lookup``; docs/tiers
    the buffer up) for the promoted ids that found no memory row.
 
 A lone table's ``lookup_eval`` is the same stages with its own transfers; the
-group's torch path, table by table (``KVTableGroup.lookup_eval_per_table``), is
-the reference this equals bit for bit (tests/test_tiered_eval.py). The tables
+group table by table (``KVTableGroup.lookup_eval_per_table``) is the reference
+this equals bit for bit where no table grows (tests/test_tiered_eval.py). The
+stages run on every backend: table by table, a table that grows mid-batch
+would replace the scratch pad under the rows an earlier table wrote. The tables
 are ``TieredKVTable``s, typed by their base (``KVTable``) as in ``tiered_lookup``:
 the module stays below ``tiered``, and ``group`` at its layer.
 
