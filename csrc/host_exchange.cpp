@@ -7,6 +7,10 @@
 #include <algorithm>
 #include <cstring>
 
+#include <vector>
+
+#include "bucket.h"
+#include "hashing.h"
 #include "kvemb_native.h"
 #include "parallel.h"
 
@@ -65,10 +69,17 @@ int check(const KvHostExchangeArgs& a) {
   if (free_count < a.num_down || free_count > a.num_records) return KV_BAD_ARGUMENT;
   const int64_t slots = a.main_slots + a.stash_slots;
   HostIndex index{a};
+  if (a.main_slots % kvemb::kWays || a.stash_slots % kvemb::kWays || a.main_slots < 1) {
+    return KV_BAD_ARGUMENT;
+  }
   for (int64_t k = 0; k < a.num_down; ++k) {
     const int64_t slot = a.down_host_slots[k];
-    if (a.down_slots[k] < 0 || a.down_slots[k] >= a.table_rows) return KV_BAD_ARGUMENT;
-    if (slot < 0 || slot >= slots || *index.record(slot) != -1) return KV_BAD_ARGUMENT;
+    if (a.down_slots[k] < 0 || a.down_slots[k] >= a.table_rows || a.down_ids[k] < 0) {
+      return KV_BAD_ARGUMENT;
+    }
+    if (slot < -1 || slot >= slots || (slot >= 0 && *index.record(slot) != -1)) {
+      return KV_BAD_ARGUMENT;
+    }
     const int64_t record = a.free_list[free_count - 1 - k];
     if (record < 0 || record >= a.num_records || a.record_ids[record] != -1) {
       return KV_BAD_ARGUMENT;
@@ -85,11 +96,57 @@ int check(const KvHostExchangeArgs& a) {
   return KV_OK;
 }
 
+// Step 0: the down ids without a slot take the lowest empty way of their main
+// bucket, else of their stash bucket; false (each placed id taken out again,
+// its slot -1 again) when one finds neither.
+bool place(const KvHostExchangeArgs& a) {
+  using kvemb::kWays;
+  const kvemb::FastMod main_mod(static_cast<uint64_t>(a.main_slots / kWays));
+  const kvemb::FastMod stash_mod(static_cast<uint64_t>(a.stash_slots ? a.stash_slots / kWays : 1));
+  std::vector<int64_t> placed;
+  placed.reserve(static_cast<size_t>(a.num_down));  // (throws, if it does, before any write)
+  for (int64_t k = 0; k < a.num_down; ++k) {
+    if (a.down_host_slots[k] != -1) continue;
+    const int64_t id = a.down_ids[k];
+    int64_t* keys = a.main_keys + kvemb::index_bucket(id, main_mod) * kWays;
+    int64_t base = 0;
+    uint32_t empty = kvemb::match(keys, kvemb::kEmpty);
+    if (!empty && a.stash_slots) {
+      keys = a.stash_keys + kvemb::index_bucket(id, stash_mod) * kWays;
+      base = a.main_slots;
+      empty = kvemb::match(keys, kvemb::kEmpty);
+    }
+    if (!empty) {
+      for (const int64_t j : placed) {
+        const int64_t slot = a.down_host_slots[j];
+        if (slot < a.main_slots) {
+          a.main_keys[slot] = kvemb::kEmpty;
+        } else {
+          a.stash_keys[slot - a.main_slots] = kvemb::kEmpty;
+        }
+        a.down_host_slots[j] = -1;
+      }
+      return false;
+    }
+    const int way = __builtin_ctz(empty);
+    keys[way] = id;
+    const int64_t bucket_start = base + (keys - (base ? a.stash_keys : a.main_keys));
+    a.down_host_slots[k] = bucket_start + way;
+    placed.push_back(k);
+  }
+  return true;
+}
+
 }  // namespace
 
 extern "C" int kv_host_exchange(const KvHostExchangeArgs* args) {
   const KvHostExchangeArgs& a = *args;
   if (const int status = check(a); status != KV_OK) return status;
+  try {
+    if (!place(a)) return KV_NO_ROOM;
+  } catch (const std::bad_alloc&) {
+    return KV_OUT_OF_MEMORY;
+  }
   const HostIndex index{a};
   const int64_t width = a.dim + a.state_dim;
   const int64_t free_top = *a.free_count;

@@ -17,7 +17,7 @@ extern "C" {
 
 // Bump on any change of a signature or struct below; native.py refuses a
 // library whose version differs (a stale build).
-#define KV_ABI_VERSION 16
+#define KV_ABI_VERSION 17
 
 enum KvStatus {
   KV_OK = 0,
@@ -25,6 +25,7 @@ enum KvStatus {
   KV_NEGATIVE_ID = 2,    // an id < 0 in a table of the group
   KV_OUT_OF_MEMORY = 3,  // scratch allocation failed (nothing was modified)
   KV_BAD_ARGUMENT = 4,   // inconsistent sizes, offsets or indices
+  KV_NO_ROOM = 5,        // kv_host_exchange: an id to place found no empty way
 };
 
 // Policy codes of KvTrainArgs.policy (EvictionPolicy in options.py).
@@ -372,11 +373,16 @@ int kv_crc32_copy(uint8_t* dst, const uint8_t* src, int64_t n, uint32_t crc, uin
 // path it equals). The host tier's index is a main part and an optional stash
 // ([main_slots] and [stash_slots] keys, scores, record numbers; a global slot
 // below main_slots is the main part's). In this order:
+// 0. a down id whose down_host_slots[k] is -1 is placed: it takes the lowest
+//    empty way of its main bucket, else of its stash bucket (in k order), and
+//    its slot is written to down_host_slots[k]; if one finds neither, every id
+//    this call placed is taken out again and the call returns KV_NO_ROOM,
+//    nothing else written;
 // 1. down: the table's rows at down_slots[k] (weights [table_rows, dim], state
 //    [table_rows, state_dim]) go to records popped from free_list (the last of
-//    its *free_count entries first) at the index slots down_host_slots[k],
-//    placed already (record -1 there), with their ids and memory scores (in
-//    the records and as the index slots' scores);
+//    its *free_count entries first) at the index slots down_host_slots[k]
+//    (record -1 there), with their ids and memory scores (in the records and
+//    as the index slots' scores);
 // 2. up: the records at the index slots up_host_slots[p] are copied to the
 //    table's rows at up_slots[p] (-1: not copied);
 // 3. the up ids leave the index (key -1, score 0, record -1) and their records
@@ -409,7 +415,7 @@ typedef struct KvHostExchangeArgs {
   const int64_t* down_slots;
   const int64_t* down_ids;
   const int64_t* down_scores;
-  const int64_t* down_host_slots;
+  int64_t* down_host_slots;  // -1: placed by the call (written)
   int64_t num_down;
   const int64_t* up_host_slots;
   const int64_t* up_slots;

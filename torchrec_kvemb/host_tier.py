@@ -58,6 +58,7 @@ from typing import Any
 import torch
 
 from torchrec_kvemb import dispatch, huge_pages
+from torchrec_kvemb.native_lib import NoRoomError
 from torchrec_kvemb.options import WAYS, EvictionPolicy, HostTierOptions
 from torchrec_kvemb.slot_index import INDEX_BYTES_PER_SLOT, INITIAL_BUCKETS, SlotIndex
 from torchrec_kvemb.tier import TIER_COUNTERS, LowerTier, RestoredRows, sweep_window
@@ -451,26 +452,42 @@ class HostTier(LowerTier):
         up_tier_slots: torch.Tensor,
         up_slots: torch.Tensor,
     ) -> None:
-        """``LowerTier.exchange``: the down ids take index slots (``SlotIndex.add``,
-        which may grow the index), then one ``dispatch.host_exchange`` copies each
-        row once, between its table slot and its record, and frees the up ids'
-        records and slots."""
+        """``LowerTier.exchange``: one ``dispatch.host_exchange``, which places the down
+        ids in the index's empty ways, copies each row once, between its table slot
+        and its record, and frees the up ids' records and slots. The index doubles
+        first if the down ids would take it past its load (``SlotIndex.make_room``);
+        where a main bucket and its stash bucket are both full, nothing is written
+        and the ids are placed by ``SlotIndex.add`` (which grows the stash) first."""
         self._check_open()
         if not self.exchanges_rows:
             raise RuntimeError(f"table {self.table!r}: a bounded host tier does not exchange rows")
         n, p = down_ids.numel(), up_tier_slots.numel()
         self._make_room(n)
-        generation = self._index.generation
-        host_slots = self._index.add(down_ids, None) if n else down_ids  # scores: below
-        if self._index.generation != generation and p:  # entries moved: probe again
-            up_tier_slots = self._index.probe(up_ids)
-        free_count = torch.tensor([self._free_count])
-        dispatch.host_exchange(
-            weights, state, self._rows, self._ids, self._scores, self._free, free_count,
-            *self._index.arrays(), down_slots, down_ids, memory_scores, host_slots,
-            up_tier_slots, up_slots,
-        )  # fmt: skip
-        self._free_count = int(free_count[0])
+        index = self._index
+        generation = index.generation
+        index.make_room(n)
+        if index.generation != generation and p:  # entries moved: probe again
+            up_tier_slots = index.probe(up_ids)
+        host_slots = torch.full((n,), -1, dtype=torch.int64)
+
+        def call() -> None:
+            free_count = torch.tensor([self._free_count])
+            dispatch.host_exchange(
+                weights, state, self._rows, self._ids, self._scores, self._free, free_count,
+                *index.arrays(), down_slots, down_ids, memory_scores, host_slots,
+                up_tier_slots, up_slots,
+            )  # fmt: skip
+            self._free_count = int(free_count[0])
+
+        try:
+            call()
+            index.placed(n)  # (may rehash: the up ids have left by now)
+        except NoRoomError:  # a full main bucket over a full stash bucket: none written
+            generation = index.generation
+            host_slots = index.add(down_ids, None)  # grows the stash; scores: the call's
+            if index.generation != generation and p:
+                up_tier_slots = index.probe(up_ids)
+            call()
         self._index.size -= p
         width = 4 * (self.dim + self.state_dim)
         self.counters["host_writes"] += n

@@ -35,13 +35,18 @@ from torchrec_kvemb.validation import KVInputError
 #: The shared library's extension name (setup.py builds csrc/ into it).
 LIBRARY = "torchrec_kvemb._kvemb_native"
 #: Must equal KV_ABI_VERSION in csrc/kvemb_native.h.
-ABI_VERSION = 16
+ABI_VERSION = 17
 
-_OK, _BAD_TABLE, _NEGATIVE_ID, _OUT_OF_MEMORY, _BAD_ARGUMENT = range(5)
+_OK, _BAD_TABLE, _NEGATIVE_ID, _OUT_OF_MEMORY, _BAD_ARGUMENT, _NO_ROOM = range(6)
 
 
 class NativeOpError(RuntimeError):
     """A native op refused its arguments or ran out of memory."""
+
+
+class NoRoomError(NativeOpError):
+    """``host_exchange``: an id to place found no empty way in its main or stash
+    bucket (nothing was written: the caller grows the index and places it)."""
 
 
 # ----------------------------------------------------------------- loading
@@ -435,6 +440,8 @@ def check_status(status: int, op: str) -> None:
         raise ValueError(f"{op}: table_idx entries must be in [-1, num_tables)")
     if status == _OUT_OF_MEMORY:
         raise NativeOpError(f"{op}: out of memory")
+    if status == _NO_ROOM:
+        raise NoRoomError(f"{op}: an id found no empty way in its buckets")
     raise NativeOpError(f"{op}: inconsistent arguments (sizes, offsets or indices; code {status})")
 
 

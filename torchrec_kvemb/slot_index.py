@@ -192,16 +192,29 @@ class SlotIndex:
         stored = result.slots >= 0
         return stored, result.slots[stored], evicted
 
-    def add(self, ids: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor:
-        """Unbounded: store absent ``ids`` with scores ``values``; their slots. None:
-        scores left as they are (an index that never ranks its ids: a host tier
-        without a bound)."""
-        n = ids.numel()
+    def make_room(self, n: int) -> None:
+        """Unbounded: the main part doubles, as often as needed, before ``n`` more ids
+        would take it past ``MAX_LOAD`` (entries move: ``generation``)."""
         buckets = self._main.index.num_buckets
         while self.size + n > MAX_LOAD * buckets * WAYS:
             buckets *= 2
         if buckets != self._main.index.num_buckets:
             self._rehash(buckets)
+
+    def placed(self, n: int) -> None:
+        """Unbounded: ``n`` ids were placed in empty ways of the main part or the stash
+        from outside (``host_exchange``, after ``make_room``); the main part doubles
+        if the stash now holds more than its share."""
+        self.size += n
+        if self._stash is not None and self._stash.index.size > self.main_slots // STASH_SHARE:
+            self._rehash(2 * self._main.index.num_buckets)
+
+    def add(self, ids: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor:
+        """Unbounded: store absent ``ids`` with scores ``values``; their slots. None:
+        scores left as they are (an index that never ranks its ids: a host tier
+        without a bound)."""
+        n = ids.numel()
+        self.make_room(n)
         slots = self._main.index.place(ids)
         over = (slots < 0).nonzero().squeeze(1)
         if over.numel():

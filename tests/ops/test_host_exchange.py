@@ -19,6 +19,7 @@ import torch
 from torchrec_kvemb import backend, dispatch, native_lib
 from torchrec_kvemb.library.tier_ops import ExchangeArgs
 from torchrec_kvemb.ops import native
+from torchrec_kvemb.ops.hashing import index_bucket
 from torchrec_kvemb.ops.host_exchange import host_exchange_torch
 from torchrec_kvemb.options import WAYS
 
@@ -376,3 +377,80 @@ def test_registered_op_matches_torch_path(entry: str, stash: bool, native_calls)
     op(*got)
     assert native_calls, "the native kernel ran"
     assert_same(got, want, entry)
+
+
+# ------------------------------------------------------ placement by the call
+def unplaced(args: ExchangeArgs, every: int) -> ExchangeArgs:
+    """``args`` with every ``every``-th down id not placed yet: its key taken out
+    (and its tier score), its slot -1, for the call to place."""
+    args = clone(args)
+    main_slots = args.main_record.numel()
+    for k in range(0, args.down_ids.numel(), every):
+        slot = int(args.down_host_slots[k])
+        keys, scores = (args.main_keys, args.main_scores)
+        if slot >= main_slots:
+            keys, scores, slot = args.stash_keys, args.stash_scores, slot - main_slots
+        keys.view(-1)[slot], scores.view(-1)[slot] = -1, 0
+        args.down_host_slots[k] = -1
+    return args
+
+
+@pytest.mark.parametrize("every", [1, 2], ids=["all", "every-other"])
+@pytest.mark.parametrize("stash", [False, True], ids=["no-stash", "stash"])
+def test_the_call_places_unplaced_ids(stash: bool, every: int) -> None:
+    """Down ids given slot -1 are placed by the call: the native op equals the torch
+    path on 1, 2 and 3 threads, and each id sits in its main bucket, or (that one
+    full) in its stash bucket, at the lowest way empty before it."""
+    gen = torch.Generator().manual_seed(40 + stash + every)
+    size = Size(table_rows=61, records=90, held=23, main_buckets=4, stash_buckets=3)
+    args = unplaced(make_case(gen, 7, 1, stash, 9, 4, size), every)
+    if stash:  # the main buckets of the ids to place left with one empty way each
+        todo = args.down_ids[args.down_host_slots == -1]
+        for bucket in index_bucket(todo, args.main_keys.shape[0]).unique().tolist():
+            empty = (args.main_keys[bucket] < 0).nonzero().squeeze(1)[1:]
+            args.main_keys[bucket, empty] = torch.arange(empty.numel()) + 800_000 + 16 * bucket
+    want = reference(args)
+    for threads in THREADS:
+        got = clone(args)
+        native.host_exchange(*got, num_threads=threads)
+        assert_same(got, want, f"{threads} threads")
+    main_slots = args.main_record.numel()
+    placed = (args.down_host_slots == -1).nonzero().squeeze(1)
+    slots = want.down_host_slots[placed]
+    assert bool((slots >= 0).all())
+    ids = args.down_ids[placed]
+    main_bucket = index_bucket(ids, args.main_keys.shape[0])
+    in_main = slots < main_slots
+    assert torch.equal(slots[in_main] // WAYS, main_bucket[in_main])
+    if stash:
+        assert bool((~in_main).any()), "a full main bucket sends an id to the stash"
+        stash_bucket = index_bucket(ids[~in_main], args.stash_keys.shape[0])
+        assert torch.equal((slots[~in_main] - main_slots) // WAYS, stash_bucket)
+        after = args.main_keys.clone()  # the main part with every placement, before ids leave
+        after.view(-1)[slots[in_main]] = ids[in_main]
+        full = after[main_bucket[~in_main]] >= 0
+        assert bool(full.all()), "only an id whose main bucket was full went to the stash"
+    else:
+        assert bool(in_main.all())
+
+
+def test_an_id_without_room_is_refused_and_nothing_is_written() -> None:
+    """A down id whose main bucket and stash bucket are full: ``NoRoomError`` from the
+    native op and the torch path alike, and every array as it was (the ids the call
+    placed before it are taken out again)."""
+    gen = torch.Generator().manual_seed(77)
+    args = unplaced(make_case(gen, 3, 1, True, 5, 2), 1)
+    last = args.down_ids[-1:]
+    main_bucket = int(index_bucket(last, args.main_keys.shape[0]))
+    stash_bucket = int(index_bucket(last, args.stash_keys.shape[0]))
+    for keys, bucket in ((args.main_keys, main_bucket), (args.stash_keys, stash_bucket)):
+        empty = keys[bucket] < 0
+        keys[bucket][empty] = torch.arange(int(empty.sum())) + 900_001  # ids nobody moves
+    for run in (
+        lambda a: native.host_exchange(*a, num_threads=2),
+        lambda a: host_exchange_torch(*a),
+    ):
+        got = clone(args)
+        with pytest.raises(native_lib.NoRoomError, match="no empty way"):
+            run(got)
+        assert_same(got, args, "refused")

@@ -50,7 +50,7 @@ class ExchangeArgs(NamedTuple):
 
 EXCHANGE_MUTATES = ("weights", "state", "rows", "record_ids", "record_scores", "free_list",
                     "free_count", "main_keys", "main_scores", "main_record", "stash_keys",
-                    "stash_scores", "stash_record")  # fmt: skip
+                    "stash_scores", "stash_record", "down_host_slots")  # fmt: skip
 
 
 def _host_exchange_cpu(*args: Tensor) -> None:

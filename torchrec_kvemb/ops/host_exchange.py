@@ -7,9 +7,13 @@ free list (``free_list[:free_count]``, popped from the end) and an index in two
 parts, a main part and a stash, each with a record number per slot (a global
 slot below ``main_record.numel()`` is the main part's). In this order:
 
+0. the down ids whose ``down_host_slots`` are -1 are placed: in order, each
+   takes the lowest empty way of its main bucket, else of its stash bucket, and
+   its slot is written there; if one finds neither, ``NoRoomError`` is raised
+   and nothing is written (the caller grows the index and places them);
 1. down: the table's rows at ``down_slots`` go to records popped from the free
    list (the last entry first), set at the index slots ``down_host_slots``
-   (placed already: their keys are written), with their ids and memory scores
+   (their keys written), with their ids and memory scores
    (in the records, and as those index slots' scores: the index of a host
    tier that never ranks keeps each id's memory score);
 2. up: the rows of the records at the index slots ``up_host_slots`` go to the
@@ -31,7 +35,44 @@ from __future__ import annotations
 
 import torch
 
+from torchrec_kvemb.native_lib import NoRoomError
+from torchrec_kvemb.ops.hashing import index_bucket
+from torchrec_kvemb.options import WAYS
+
 Tensor = torch.Tensor
+
+
+def _empty_ways(keys: Tensor, buckets: Tensor) -> Tensor:
+    """Local slots ids of ``buckets`` would take, in order: a bucket's r-th id its
+    r-th empty way, -1 past its empty ways (those ids do not take one)."""
+    if buckets.numel() == 0:
+        return buckets.clone()
+    sorted_buckets, order = torch.sort(buckets, stable=True)
+    rank = torch.arange(buckets.numel()) - torch.searchsorted(sorted_buckets, sorted_buckets)
+    empty = keys[sorted_buckets] < 0
+    take = empty & (empty.cumsum(1) == (rank + 1).unsqueeze(1))
+    way = take.to(torch.int8).argmax(1)
+    local = torch.where(take.any(1), sorted_buckets * WAYS + way, -1)
+    out = torch.empty_like(local)
+    out[order] = local
+    return out
+
+
+def _place(main_keys: Tensor, stash_keys: Tensor, ids: Tensor) -> Tensor:
+    """Step 0: global slots of ``ids`` placed (keys written), or ``NoRoomError``
+    with nothing written."""
+    main = _empty_ways(main_keys, index_bucket(ids, main_keys.shape[0]))
+    over = (main < 0).nonzero().squeeze(1)
+    stash = torch.full_like(over, -1)
+    if stash_keys.shape[0] and over.numel():
+        stash = _empty_ways(stash_keys, index_bucket(ids[over], stash_keys.shape[0]))
+    if bool((stash < 0).any()):
+        raise NoRoomError("host exchange: an id found no empty way in its buckets")
+    in_main = main >= 0
+    main_keys.view(-1)[main[in_main]] = ids[in_main]
+    stash_keys.view(-1)[stash] = ids[over]
+    main[over] = stash + main_keys.numel()
+    return main
 
 
 def _columns(main: Tensor, stash: Tensor, slots: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -87,6 +128,9 @@ def host_exchange_torch(
     top, n = int(free_count[0]), down_slots.numel()
     if n > top:
         raise ValueError(f"host exchange: {n} rows down, {top} free records")
+    todo = (down_host_slots == -1).nonzero().squeeze(1)
+    if todo.numel():  # 0. placement
+        down_host_slots[todo] = _place(main_keys, stash_keys, down_ids[todo])
     # 1. down
     records = free_list[top - n : top].flip(0)
     _write(main_record, stash_record, down_host_slots, records)
