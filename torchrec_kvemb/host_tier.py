@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from torchrec_kvemb import dispatch, huge_pages
+from torchrec_kvemb import dispatch
 from torchrec_kvemb.native_lib import NoRoomError
 from torchrec_kvemb.options import WAYS, EvictionPolicy, HostTierOptions
 from torchrec_kvemb.slot_index import INDEX_BYTES_PER_SLOT, INITIAL_BUCKETS, SlotIndex
@@ -162,18 +162,13 @@ class HostTier(LowerTier):
     def _empty_rows(self, n: int) -> torch.Tensor:
         return torch.empty(n, self.dim + self.state_dim, pin_memory=self.pinned)
 
-    def _record_rows(self, n: int) -> torch.Tensor:
-        rows = self._empty_rows(n)
-        if not self.pinned:
-            huge_pages.advise(rows)
-        return rows
 
     def _grow(self, records: int) -> None:
         """Hold ``records`` records (rows and their ids, scores, free-list entries)."""
         old = self._records
         if records <= old:
             return
-        rows = self._record_rows(records)
+        rows = self._empty_rows(records)
         rows[:old] = self._rows
         self._rows = rows
         self._ids = torch.cat([self._ids, torch.full((records - old,), -1, dtype=torch.int64)])

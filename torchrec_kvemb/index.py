@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from torchrec_kvemb import dispatch, huge_pages
+from torchrec_kvemb import dispatch
 from torchrec_kvemb.contracts import InsertResult
 from torchrec_kvemb.options import WAYS
 
@@ -47,9 +47,8 @@ class BucketIndex:
     @classmethod
     def empty(cls, num_buckets: int, device: torch.device | str | None = None) -> BucketIndex:
         """A new index of ``max(1, num_buckets)`` empty buckets."""
-        shape = (max(1, num_buckets), WAYS)
-        keys = huge_pages.full(shape, -1, torch.int64, device)
-        return cls(keys, huge_pages.zeros(shape, torch.int64, device))
+        keys = torch.full((max(1, num_buckets), WAYS), -1, dtype=torch.int64, device=device)
+        return cls(keys, torch.zeros_like(keys))
 
     # ------------------------------------------------------------------ shape
     @property

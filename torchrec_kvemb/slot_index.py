@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from torchrec_kvemb import huge_pages
 from torchrec_kvemb.index import BucketIndex
 from torchrec_kvemb.options import WAYS
 
@@ -40,7 +39,7 @@ class _Part:
 
     def __init__(self, buckets: int) -> None:
         self.index = BucketIndex.empty(buckets)
-        self.record = huge_pages.full((self.index.slots,), -1, torch.int64)
+        self.record = torch.full((self.index.slots,), -1, dtype=torch.int64)
 
     @property
     def slots(self) -> int:
