@@ -18,7 +18,7 @@ import pytest
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from tests.device_support import assert_tables_equal, backend
+from tests.device_support import assert_tables_equal, backend, kjt_to
 from tests.test_transfers import CASES, DIM, FUSED, TABLES, _batches, _ebc, _spy
 from torchrec_kvemb import (
     EvictionPolicy,
@@ -41,7 +41,7 @@ def _train(ebc, kjt, step: int) -> torch.Tensor:
     ebc.train()
     out = ebc(kjt).values()
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(step))
-    (out * grad).sum().backward()
+    (out * grad.to(out.device)).sum().backward()
     return out.detach()
 
 
@@ -69,13 +69,15 @@ def _moved(ebc, before: dict) -> dict:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_group_evaluates_with_one_gather_and_one_scatter(case, tmp_path, monkeypatch):
-    """Native kernels (CPU): per evaluation step one gather down and one scatter up
-    for the three tables, none per table and no training transfer; rows of at
-    least two tables move each way at every evaluation step."""
-    assert native_lib.available(), native_lib.unavailable_reason()
+def test_a_group_evaluates_with_one_gather_and_one_scatter(case, device, tmp_path, monkeypatch):
+    """On the device under test, by its default kernels (CPU: native; CUDA: Triton,
+    the copies on the side stream): per evaluation step one gather down and one
+    scatter up for the three tables, none per table and no training transfer;
+    rows of at least two tables move each way at every evaluation step."""
+    if device.type == "cpu":
+        assert native_lib.available(), native_lib.unavailable_reason()
     with backend("auto"):
-        tiered = _ebc(False, None, case, tmp_path)
+        tiered = _ebc(False, device, case, tmp_path)
         assert len(tiered._lookup.groups) == 1, "the three tables form one group"
         assert tiered._lookup.groups[0].pad is not None
         calls: dict = {}
@@ -86,6 +88,7 @@ def test_a_group_evaluates_with_one_gather_and_one_scatter(case, tmp_path, monke
         _spy(monkeypatch, KVTableGroup, "lookup_eval_per_table", calls)
         batches = _batches()
         scratch = 0
+        batches = [kjt_to(kjt, device) for kjt in batches]
         for step, kjt in enumerate(batches):
             _train(tiered, kjt, step)
             if step == 0:
