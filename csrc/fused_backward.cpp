@@ -19,6 +19,7 @@
 
 #include "kvemb_native.h"
 #include "parallel.h"
+#include "prefetch.h"
 #include "row_dtype.h"
 #include "workspace.h"
 
@@ -30,16 +31,6 @@ constexpr int64_t kUniquesPerTask = 1024;
 // over the table, so each row's miss is started a few uniques early.
 constexpr int64_t kRowsAhead = 4;
 
-inline void prefetch_bytes(const void* p, int64_t bytes, bool write) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t b = 0; b < bytes; b += 64) {
-    if (write) {
-      __builtin_prefetch(c + b, 1);
-    } else {
-      __builtin_prefetch(c + b, 0);
-    }
-  }
-}
 
 int64_t element_bytes(int64_t dtype) { return dtype == KV_ROWS_FLOAT32 ? 4 : 2; }
 

@@ -13,24 +13,17 @@
 #include "hashing.h"
 #include "kvemb_native.h"
 #include "parallel.h"
+#include "prefetch.h"
 
 namespace {
+
+using kvemb::prefetch_bytes;
 
 // Rows a task copies (as rows.cpp: a step's few thousand rows in small tasks).
 constexpr int64_t kRowsPerTask = 512;
 // Rows between a row's prefetch and its copy.
 constexpr int64_t kAhead = 8;
 
-inline void prefetch(const void* p, int64_t bytes, bool write) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t b = 0; b < bytes; b += 64) {
-    if (write) {
-      __builtin_prefetch(c + b, 1);
-    } else {
-      __builtin_prefetch(c + b, 0);
-    }
-  }
-}
 
 // The index columns of a global slot: the main part's below main_slots, else
 // the stash's.
@@ -167,9 +160,9 @@ extern "C" int kv_host_exchange(const KvHostExchangeArgs* args) {
     for (int64_t k = begin; k < end; ++k) {
       if (k + kAhead < end) {
         const int64_t slot = a.down_slots[k + kAhead];
-        prefetch(a.weights + slot * a.dim, 4 * a.dim, false);
-        if (a.state_dim) prefetch(a.state + slot * a.state_dim, 4 * a.state_dim, false);
-        prefetch(a.rows + down_record(k + kAhead) * width, 4 * width, true);
+        prefetch_bytes(a.weights + slot * a.dim, 4 * a.dim, false);
+        if (a.state_dim) prefetch_bytes(a.state + slot * a.state_dim, 4 * a.state_dim, false);
+        prefetch_bytes(a.rows + down_record(k + kAhead) * width, 4 * width, true);
       }
       const int64_t slot = a.down_slots[k];
       float* out = a.rows + down_record(k) * width;
@@ -182,25 +175,25 @@ extern "C" int kv_host_exchange(const KvHostExchangeArgs* args) {
 
   // 2. up: the promoted records' rows to their table slots.
   const int64_t up_tasks = (a.num_up + kRowsPerTask - 1) / kRowsPerTask;
-  ok = kvemb::parallel_for(up_tasks, a.num_threads, [&](int64_t task, int64_t) {
-         const int64_t begin = task * kRowsPerTask, end = std::min(a.num_up, begin + kRowsPerTask);
-         for (int64_t p = begin; p < end; ++p) {
-           if (p + kAhead < end && a.up_slots[p + kAhead] >= 0) {
-             const int64_t slot = a.up_slots[p + kAhead];
-             prefetch(a.rows + *index.record(a.up_host_slots[p + kAhead]) * width, 4 * width,
-                      false);
-             prefetch(a.weights + slot * a.dim, 4 * a.dim, true);
-             if (a.state_dim) prefetch(a.state + slot * a.state_dim, 4 * a.state_dim, true);
-           }
-           const int64_t slot = a.up_slots[p];
-           if (slot < 0) continue;
-           const float* row = a.rows + *index.record(a.up_host_slots[p]) * width;
-           std::memcpy(a.weights + slot * a.dim, row, sizeof(float) * a.dim);
-           if (a.state_dim) {
-             std::memcpy(a.state + slot * a.state_dim, row + a.dim, sizeof(float) * a.state_dim);
-           }
-         }
-       }) && ok;
+  const bool up_ok = kvemb::parallel_for(up_tasks, a.num_threads, [&](int64_t task, int64_t) {
+    const int64_t begin = task * kRowsPerTask, end = std::min(a.num_up, begin + kRowsPerTask);
+    for (int64_t p = begin; p < end; ++p) {
+      if (p + kAhead < end && a.up_slots[p + kAhead] >= 0) {
+        const int64_t slot = a.up_slots[p + kAhead];
+        prefetch_bytes(a.rows + *index.record(a.up_host_slots[p + kAhead]) * width, 4 * width, false);
+        prefetch_bytes(a.weights + slot * a.dim, 4 * a.dim, true);
+        if (a.state_dim) prefetch_bytes(a.state + slot * a.state_dim, 4 * a.state_dim, true);
+      }
+      const int64_t slot = a.up_slots[p];
+      if (slot < 0) continue;
+      const float* row = a.rows + *index.record(a.up_host_slots[p]) * width;
+      std::memcpy(a.weights + slot * a.dim, row, sizeof(float) * a.dim);
+      if (a.state_dim) {
+        std::memcpy(a.state + slot * a.state_dim, row + a.dim, sizeof(float) * a.state_dim);
+      }
+    }
+  });
+  ok = ok && up_ok;
   if (!ok) return KV_OUT_OF_MEMORY;
 
   // 3. the promoted ids leave the index; their records go back on the free list.
