@@ -162,7 +162,6 @@ class HostTier(LowerTier):
     def _empty_rows(self, n: int) -> torch.Tensor:
         return torch.empty(n, self.dim + self.state_dim, pin_memory=self.pinned)
 
-
     def _grow(self, records: int) -> None:
         """Hold ``records`` records (rows and their ids, scores, free-list entries)."""
         old = self._records
