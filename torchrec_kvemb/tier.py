@@ -194,7 +194,7 @@ class LowerTier(ABC):
         whose score of an id is its memory score, as the native training lookup
         probes it for the batch's ids not in memory (``native.tier_index_row``;
         ``exchanges_rows`` only). Read-only, and valid until the tier's next write."""
-        raise NotImplementedError(f"{type(self).__name__} does not exchange rows")
+        raise TypeError(f"{type(self).__name__} does not exchange rows (exchanges_rows is False)")
 
     def exchange(
         self,
@@ -214,12 +214,12 @@ class LowerTier(ABC):
         come into the tier; then the rows of ``up_ids`` at the tier's
         ``up_tier_slots`` (the slots the lookup found) go to the table's rows at ``up_slots`` (-1:
         not copied; the caller read it with ``read_rows``) and leave the tier."""
-        raise NotImplementedError(f"{type(self).__name__} does not exchange rows")
+        raise TypeError(f"{type(self).__name__} does not exchange rows (exchanges_rows is False)")
 
     def read_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """Rows ``[n, dim + state_dim]`` at the tier's ``slots``, uncounted
         (``exchanges_rows`` only: the rows of promoted ids that get no memory row)."""
-        raise NotImplementedError(f"{type(self).__name__} does not exchange rows")
+        raise TypeError(f"{type(self).__name__} does not exchange rows (exchanges_rows is False)")
 
     # ------------------------------------------------------------- durability
     @abstractmethod
