@@ -5,6 +5,7 @@ bucket) and the tier places them first (its stash grows), with nothing lost."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from torchrec_kvemb import dispatch, native_lib
@@ -119,3 +120,14 @@ def test_no_room_in_the_call_places_them_first(monkeypatch):
     _check(tier, down, up, held_rows, before, after)
     everyone = torch.cat([in_main[2:], in_stash, down])
     assert bool((tier.lookup(everyone) >= 0).all())
+
+
+def test_a_bounded_tier_does_not_exchange_rows():
+    """A host tier with a capacity may evict inside ``put``: it keeps the buffered
+    path (``exchanges_rows`` False) and refuses an exchange, changing nothing."""
+    tier = HostTier("t", DIM, STATE, HostTierOptions(capacity=3 * WAYS))
+    assert not tier.exchanges_rows
+    assert _tier_with(torch.arange(5)).exchanges_rows
+    with pytest.raises(RuntimeError, match="bounded host tier does not exchange rows"):
+        _exchange(tier, torch.arange(4), torch.empty(0, dtype=torch.int64))
+    assert tier.host_size == 0
